@@ -145,6 +145,13 @@ def host_share_metrics(report: dict):
             "decode layers the polling thread handed to the host",
             decode.get("polled_layers", 0),
         )
+        if "min_tokens" in decode:  # launches of fewer rows hold no hand-off (auto's choice, expert_backends.py)
+            fewest = GaugeMetricFamily(
+                "ferry_worker_host_decode_min_tokens",
+                "the fewest tokens a decode step has for its layers to hand the host a share of their misses",
+            )
+            fewest.add_metric([], float(decode["min_tokens"]))
+            yield fewest
     guard = (decode or {}).get("guard")
     if guard:  # auto's guard over the decode share (offload/host_compute/share_guard.py)
         on = GaugeMetricFamily(

@@ -165,3 +165,26 @@ def test_other_activations_are_refused():
     pools = make_pools(spec, torch.float32, 8, 4, 2)
     with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
         build_model(spec, torch.float32, "cpu", ResidentExperts(pools.experts, 2, spec.num_experts))
+
+
+def test_no_checkpoint_tensor_is_alive_when_the_weights_are_measured():
+    """Boot measures the weights and plans between the two passes, inside the iterator's step after the last
+    resident tensor (boot.py's `_then`): a tensor the loader still holds there is counted as weights (on CUDA,
+    with the whole allocator segment it was carved from)."""
+    import weakref
+
+    model, weights = _loadable()
+    given: list[tuple[str, weakref.ref]] = []
+    alive: list[str] = []
+
+    def tracked():
+        for name, tensor in weights.items():
+            t = tensor.clone()
+            given.append((name, weakref.ref(t)))
+            yield name, t
+            del t
+        alive.extend(n for n, ref in given if ref() is not None)  # where boot's plan_and_allocate runs
+
+    model.load_weights(tracked())
+    assert len(given) == len(weights)
+    assert alive == []

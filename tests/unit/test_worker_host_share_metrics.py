@@ -108,6 +108,8 @@ def test_how_decode_layers_reach_the_host_is_exported():
         assert f"ferry_worker_host_decode_polled {1.0 if handoff == 'poll' else 0.0}" in text
         assert f"ferry_worker_host_decode_polled_layers_total {float(layers)}" in text
     assert "ferry_worker_host_decode_polled" not in scrape({**REPORT, "host_decode": decode})
+    covered = {**decode, "handoff": "node", "polled_layers": 0, "min_tokens": 2}
+    assert "ferry_worker_host_decode_min_tokens 2.0" in scrape({**REPORT, "host_decode": covered})
 
 
 def test_without_a_host_share_there_is_no_host_series():

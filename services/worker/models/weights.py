@@ -317,4 +317,7 @@ def load_checkpoint_weights(model, weights: Iterable[tuple[str, torch.Tensor]], 
     loader = _Loader(model, routed_experts)
     for name, tensor in weights:
         loader.take(name, tensor)
+        # copied, so let it go before the next is asked for: boot measures the weights and plans between the two
+        # passes (inside that next), and a kept tensor pins the allocator segment it was carved from
+        del tensor
     loader.finish()

@@ -519,12 +519,13 @@ def check_host_decode_kernel() -> None:
     assert sum(restored) > 0, restored  # and some handed slots went back to what they held
 
 
-def check_host_decode(poll: bool = False) -> None:
+def check_host_decode(poll: bool = False, min_tokens: int = 1) -> None:
     """Decode steps with the host computing all but one of each layer's missed experts
     (offload/host_compute/decode_share.py, through the C host node, or with `poll` through the polling thread,
     host_handoff.py): the same rows as
     the all-resident store in float32, with prefills streamed between them; what crosses PCIe is counted
-    without the host's experts."""
+    without the host's experts. `min_tokens`: launches of fewer rows hand the host nothing (auto's choice where
+    a single stream's misses do not pay for a hand-off), and their prefetch copies every predicted expert."""
     from ferry.services.worker.offload.host_compute.decode_share import HostDecodeShare
     from ferry.services.worker.offload.host_compute.host_expert_kernel import HostKernel
 
@@ -532,29 +533,41 @@ def check_host_decode(poll: bool = False) -> None:
     layers = 3
     resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
     banks = HostBanks.for_model(spec, "float32", progress=False)
-    store = DeviceDrivenExperts(
-        slot_pool(spec, 7, max_step_tokens=48),
-        banks,
-        LRUExpertPolicy(layers, 6, 7),
-        "cpu",
-        prefetch=True,
-        pipeline_chunks=2,
-    )
-    for (layer, e), weights in random_experts(spec, 7).items():
+    experts = random_experts(spec, 7)
+    for (layer, e), weights in experts.items():
         resident.load_expert(layer, e, *weights)
-        store.load_expert(layer, e, *weights)
     g = torch.Generator().manual_seed(4)
-    store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
-    store.preload()
+    routers = [torch.randn(6, 32, generator=g) for _ in range(layers)]
+
+    def offloaded() -> DeviceDrivenExperts:
+        store = DeviceDrivenExperts(
+            slot_pool(spec, 7, max_step_tokens=48),
+            banks,
+            LRUExpertPolicy(layers, 6, 7),
+            "cpu",
+            prefetch=True,
+            pipeline_chunks=2,
+        )
+        for (layer, e), weights in experts.items():
+            store.load_expert(layer, e, *weights)
+        store.set_routers(routers)
+        store.preload()
+        return store
+
+    store = offloaded()
     # a copy costs 1000 ns, the host nothing: of m misses the host takes m - 1
     store.host_decode = HostDecodeShare(
         HostKernel(banks, torch.float32, threads=2), (1000, 1, 0, 0), max_tokens=8, top_k=2, num_experts=6, device="cpu"
     )
+    store.host_decode.min_tokens = min_tokens
     if poll:
         store.host_decode.use_poll()
-    for tokens, real in ((1, 1), (4, 4), (3, 2), (40, 40), (1, 1), (4, 3), (2, 2), (1, 1)):
+    launches = ((1, 1), (4, 4), (3, 2), (40, 40), (1, 1), (4, 3), (2, 2), (1, 1))
+    routed = []
+    for tokens, real in launches:
         for layer in range(layers):
             x, ids, w = random_routing(spec, tokens, g)
+            routed.append((layer, x, ids, w, real))
             got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
             torch.testing.assert_close(got[:real], resident.forward(layer, x, ids, w)[:real], rtol=1e-5, atol=1e-5)
         snap = store.cache.snapshot()  # the maps stay each other's inverse with the host's slots freed
@@ -565,9 +578,21 @@ def check_host_decode(poll: bool = False) -> None:
         store.stats_to_host()
         store.end_step()
     handed = store.report()["host_decode"]
-    assert handed["experts"] > 0 and handed["pairs"] >= handed["experts"], handed
-    # every decode layer (the 40-token steps stream instead) was handed over the chosen way
-    assert handed["handoff"] == ("poll" if poll else "node") and (handed["polled_layers"] == 7 * layers) == poll
+    covered = sum(min_tokens <= tokens <= 8 for tokens, _ in launches) * layers
+    assert (handed["experts"] > 0) == (covered > 0) and handed["pairs"] >= handed["experts"], handed
+    # every decode layer of a launch the share covers (the 40-token steps stream instead) was handed over the
+    # chosen way, and no other
+    assert sum(t.calls for t in store.host_decode.tasks) == covered, (covered, handed)
+    if not covered:  # a share that covers no launch changes nothing: the same lookups, misses and prefetches
+        plain = offloaded()
+        for layer, x, ids, w, real in routed:
+            plain.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
+            if layer == layers - 1:
+                plain.stats_to_host()
+                plain.end_step()
+        counters = store.cache.counters_dict(store.cache.counters.numpy())
+        assert counters == plain.cache.counters_dict(plain.cache.counters.numpy()), counters
+    assert handed["handoff"] == ("poll" if poll else "node") and handed["polled_layers"] == (covered if poll else 0)
     # boot's measure of a hand-off with nothing for the host, the chosen way, leaves the counts as they were
     from ferry.services.worker.offload.host_compute.decode_share import calibrate_handoff
 
@@ -831,6 +856,8 @@ CHECKS = {
     "host-decode-kernel": check_host_decode_kernel,
     "host-decode": check_host_decode,
     "host-decode-poll": lambda: check_host_decode(poll=True),
+    "host-decode-from-3-tokens": lambda: check_host_decode(min_tokens=3),
+    "host-decode-covering-none": lambda: check_host_decode(min_tokens=9),
     "lent-slots": check_lent_slots,
     "windowed-chunks": check_windowed_chunks,
     "streamed-launches": check_streamed_launches,

@@ -125,7 +125,8 @@ def test_hybrid_prices_by_what_was_measured_and_the_prefill_follows_the_refined_
     assert share.costs_ns == MEASURED and share.refines and share.on_refined is prefill.follow_host_price
     assert share.guard is None and store.prefetch_enabled
     assert backend.prefill_costs(COST) is COST
-    assert backend.keeps_decode_share(share, takes=0, typical=2, top_k=8, fields={})  # asked for: kept
+    share.min_tokens = 1
+    assert backend.keeps_decode_share(share, None, fields={}) and share.min_tokens == 1  # asked for: every launch
 
 
 def test_auto_keeps_the_decode_share_only_where_the_host_takes_some_and_then_guards_it():
@@ -139,10 +140,39 @@ def test_auto_keeps_the_decode_share_only_where_the_host_takes_some_and_then_gua
         handoff="poll",
         use_node=lambda: stopped.append(True),
     )
-    fields = {"handoff": "poll"}
-    assert backend.keeps_decode_share(share, takes=1, typical=2, top_k=8, fields=fields) and not stopped
-    assert not backend.keeps_decode_share(share, takes=0, typical=2, top_k=8, fields=fields) and stopped
+    share.min_tokens, share.max_tokens, share.top_k = 1, 8, 8
+    fields = {"handoff": "poll", "typical_misses": 6}
+    assert backend.keeps_decode_share(share, 2, fields=fields) and not stopped
+    assert share.min_tokens == 2  # launches of one token hold no hand-off
+    assert not backend.keeps_decode_share(share, None, fields=fields) and stopped
     store = SimpleNamespace(prefetch_enabled=True, host_share=None)
     backend.price_decode_share(share, MEASURED, store)
     assert isinstance(share.guard, ShareGuard) and share.costs_ns == MEASURED and share.refines
     assert store.prefetch_enabled
+
+
+def test_the_share_covers_the_launches_where_the_host_takes_some_of_a_layers_misses():
+    """Boot's prices as two H100 hosts logged them: the hybrid Qwen3.6 cut in Q4_K_M at 640 of 2,048 slots (a link
+    copy 40.4 us an expert, the host 96 us, a hand-off 149.5 us) gives the host none of a one-token layer's ~6
+    misses, so auto used to drop the share; its 8-token layers miss ~40, of which the host takes ~10. gpt-oss-120b's
+    cut (248.1 us a copy, 294.9 us on the host, 149 us a hand-off; 512 of 1,536 slots, top-4) shares from one token."""
+    qwen = B.host_takes_by_tokens((40_400, 96_000, 26_000, 149_500), 8, 256, 1 - 640 / 2048, 8)
+    assert qwen[1] == 0 and qwen[2] > 0 and 8 <= qwen[8] <= 12, qwen
+    assert [t for t, takes in qwen.items() if takes] == list(range(2, 9))  # more tokens, more misses: never fewer
+    gptoss = B.host_takes_by_tokens((248_100, 294_900, 26_000, 149_000), 4, 128, 1 - 512 / 1536, 16)
+    assert gptoss[1] == 1 and gptoss[16] > gptoss[1], gptoss
+    assert B.layer_misses(1, 8, 256, 0.5) == (4, 4)  # one token: its k picks are k distinct experts
+    assert B.layer_misses(8, 8, 256, 1.0) == (57, 64)  # 64 picks of 256: ~57 distinct
+
+
+def test_the_guard_samples_only_the_steps_the_share_covers():
+    """A step of fewer tokens than the share's min_tokens ran without it: it is no sample of the share on or off."""
+    from ferry.services.worker.offload.host_compute.decode_share import HostDecodeShare
+
+    seen = []
+    guard = SimpleNamespace(decisions=[], step=lambda now, tokens: seen.append(tokens) or False)
+    share = SimpleNamespace(guard=guard, min_tokens=2)
+    share.covers = lambda tokens: HostDecodeShare.covers(share, tokens)
+    for tokens in (1, 2, 8, None, 1):
+        HostDecodeShare.observe_step(share, 0.0, tokens)
+    assert seen == [None, 2, 8, None, None]

@@ -130,6 +130,8 @@ INTERPRETED_CHECKS = [
     "host-decode-kernel",
     "host-decode",
     "host-decode-poll",
+    "host-decode-from-3-tokens",
+    "host-decode-covering-none",
     "lent-slots",
     "windowed-chunks",
     "streamed-launches",

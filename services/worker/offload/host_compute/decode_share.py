@@ -167,6 +167,9 @@ class HostDecodeShare:
         self.on_refined = None  # called with each new one-token price (seconds): the prefill's share follows it
         self.refinements = 0
         self.guard: ShareGuard | None = None  # auto's check of the share against the steps (expert_backends.py)
+        # decode launches of fewer rows than this hand nothing over and hold no hand-off (auto's choice, by the
+        # calibration: a node costs every layer it is in, and a single stream's few misses may not pay for it)
+        self.min_tokens = 1
         self._price_ns = self._costs_ns  # the prices as calibrated and refined; _costs_ns applies the guard's scale
         self._scale: float | None = 1.0  # the guard's: the host's one-token price scaled by it (None: off)
         self._refined_from = (0, 0, 0)  # (busy ns, experts, pairs) at the last refinement
@@ -216,6 +219,10 @@ class HostDecodeShare:
             )
         self._node = ctypes.cast(kernel.lib.ferry_host_node, ctypes.c_void_p).value
         self.poller: Poller | None = None  # the polled hand-off's thread (use_poll), None: host nodes
+
+    def covers(self, tokens: int) -> bool:
+        """Whether a decode launch of `tokens` rows (a graph's bucket) hands the host its share."""
+        return tokens >= self.min_tokens
 
     @property
     def handoff(self) -> str:
@@ -370,6 +377,8 @@ class HostDecodeShare:
         `decode_tokens` its tokens if every row decoded one, else None. Applies the guard's choice."""
         if self.guard is None:
             return
+        if decode_tokens is not None and not self.covers(decode_tokens):
+            decode_tokens = None  # a step without the share is no sample of it, on or off
         decided = len(self.guard.decisions)
         if self.guard.step(now, decode_tokens):
             self._scale = self.guard.scale
@@ -438,6 +447,7 @@ class HostDecodeShare:
             "guard": guard,
             "handoff": self.handoff,
             "polled_layers": self.poller.rounds() if self.poller is not None else 0,
+            "min_tokens": self.min_tokens,
         }
 
 

@@ -115,8 +115,10 @@ class HybridBackend(ExpertBackend):
         the copies). None off CUDA."""
         return LinkTraffic(store.banks, store.ring, device) if torch.device(device).type == "cuda" else None
 
-    def keeps_decode_share(self, share: HostDecodeShare, takes: int, typical: int, top_k: int, fields: dict) -> bool:
-        """Whether the decode share is attached after its calibration: always, where it was asked for."""
+    def keeps_decode_share(self, share: HostDecodeShare, min_tokens: int | None, fields: dict) -> bool:
+        """Whether the decode share is attached after its calibration, and in which launches: always and in
+        every launch, where it was asked for. `min_tokens`: the fewest rows a launch has where by the
+        calibration the host takes some of a layer's misses (None: none up to the share's max_tokens)."""
         return True
 
     def price_decode_share(self, share: HostDecodeShare, measured: tuple[int, int, int, int], store) -> None:
@@ -167,11 +169,12 @@ class HybridBackend(ExpertBackend):
         else:
             share.use_node()
         measured = (*ns, round(overhead * 1e9))
-        # a single stream's layer misses about k x (the share of experts without a slot) experts of one token
-        # each (before prefetch): the hand-off runs on every layer, so auto keeps it only where the host takes
-        # some of a layer that misses that many
-        typical = max(1, round(k * (1 - store.policy.num_slots / max(store.policy.num_layers * spec.num_experts, 1))))
-        takes = host_count_reference(typical, typical, measured)
+        # a launch of t tokens misses about layer_misses(t) experts a layer (before prefetch); the hand-off runs on
+        # every layer of a launch it is in, so the share is worth a launch where the host takes some of that many
+        slotless = 1 - store.policy.num_slots / max(store.policy.num_layers * spec.num_experts, 1)
+        takes_at = host_takes_by_tokens(measured, k, spec.num_experts, slotless, share.max_tokens)
+        typical = layer_misses(1, k, spec.num_experts, slotless)[0]
+        min_tokens = next((t for t, takes in takes_at.items() if takes), None)
         fields = dict(
             pcie_us=round(cost.pcie_s * 1e6, 1),
             host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
@@ -182,11 +185,13 @@ class HybridBackend(ExpertBackend):
             handoff_node_idle_us=round(node_idle_s * 1e6, 1),
             handoff_poll_idle_us=None if poll_idle_s is None else round(poll_idle_s * 1e6, 1),
             typical_misses=typical,
-            host_takes=takes,
+            host_takes=takes_at[1],
+            host_takes_at_max=takes_at[share.max_tokens],
+            min_tokens=min_tokens,
             max_tokens=share.max_tokens,  # caller_pinned 1: the nodes' thread on its CPU
             caller_pinned=share.kernel.caller_pinned,
         )
-        if not self.keeps_decode_share(share, takes, typical, k, fields):
+        if not self.keeps_decode_share(share, min_tokens, fields):
             return
         self.price_decode_share(share, measured, store)
         store.host_decode = share
@@ -197,16 +202,19 @@ class AutoBackend(HybridBackend):
     """--expert-backend auto where the plan chose hybrid: the decode share only where the calibration says the
     host shortens a decode layer, kept while the decode steps with it are shorter (share_guard.py)."""
 
-    def keeps_decode_share(self, share: HostDecodeShare, takes: int, typical: int, top_k: int, fields: dict) -> bool:
-        """Only where the host takes some of a layer missing `typical` experts: the hand-off runs on every layer."""
-        if takes:
+    def keeps_decode_share(self, share: HostDecodeShare, min_tokens: int | None, fields: dict) -> bool:
+        """Only in launches of at least `min_tokens` rows, where the host takes some of a layer's misses: a launch
+        with the hand-off pays for it on every layer, so a single stream that misses too few to share runs
+        without it while 8 streams share theirs. Off where no launch up to the share's max_tokens gains."""
+        if min_tokens is not None:
+            share.min_tokens = min_tokens
             return True
         share.use_node()  # no share: its polling thread, if any, stops
         fields["handoff"] = share.handoff
         log.info(
             "host_decode_off",
-            reason="auto: by the calibration the host shortens no decode layer missing "
-            f"{typical} of its {top_k} experts",
+            reason=f"auto: by the calibration the host shortens no decode layer of up to {share.max_tokens} tokens "
+            f"(a one-token layer misses {fields['typical_misses']} of its {share.top_k} experts)",
             **fields,
         )
         return False
@@ -236,6 +244,25 @@ class CpuBackend(HybridBackend):
         if store.prefetch_enabled:
             store.prefetch_enabled = False
             log.info("expert_prefetch_off", reason="--expert-backend cpu: the host computes every miss")
+
+
+def layer_misses(tokens: int, top_k: int, num_experts: int, slotless: float) -> tuple[int, int]:
+    """(experts, pairs) a decode layer of `tokens` tokens misses with routing spread evenly: the distinct experts of
+    tokens x top_k picks, E (1 - (1 - k/E)^t), and the picks, each times `slotless`, the share of experts with no
+    slot; at least one expert and one pair (a miss is what the share is for)."""
+    distinct = num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+    return max(1, round(distinct * slotless)), max(1, round(tokens * top_k * slotless))
+
+
+def host_takes_by_tokens(
+    costs_ns: tuple[int, int, int, int], top_k: int, num_experts: int, slotless: float, max_tokens: int
+) -> dict[int, int]:
+    """{t: how many of a decode layer's misses the split gives the host in a launch of t tokens}, t = 1 ..
+    max_tokens, by the hand-off kernel's rule (host_count_reference) over layer_misses(t)."""
+    return {
+        t: host_count_reference(*layer_misses(t, top_k, num_experts, slotless), costs_ns)
+        for t in range(1, max_tokens + 1)
+    }
 
 
 def expert_backend_for(choice: ExpertBackendPlan) -> ExpertBackend:

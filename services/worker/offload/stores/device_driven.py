@@ -19,7 +19,7 @@ step can be replayed as a CUDA graph:
   layer L+1's own lookup. `prefetch=False` turns it off. With the host's share of decode layers
   (host_compute/decode_share.py) the prefetch leaves the host's part of the predicted experts off the link: they
   reach layer L+1 as misses, and its hand-off, counting the prefetched ones as the link's load,
-  gives them to the host.
+  gives them to the host. Both only in launches the share covers (`covers`: at least its min_tokens rows).
 
 Larger steps (big decode batches, short prefills) take the same decisions on the device but read
 the lists on the host and copy them with the banks' `copy_experts` (plain banks: the copy engine,
@@ -229,7 +229,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         # the host's share of the misses (host_compute/decode_share.py): decided before the copy kernel reads the count,
         # knowing what this layer's prefetch has put on the link already
         handed = None
-        if self.host_decode is not None:
+        if self.host_decode is not None and self.host_decode.covers(t):
             prefetched = self._prefetch_calls.get(layer)
             in_flight = prefetched.count if prefetched is not None else None
             handed = self.host_decode.start(layer, x, ids, weights, n_rows, call, self.cache, in_flight)
@@ -435,7 +435,8 @@ class DeviceDrivenExperts(OffloadedExperts):
         logits = F.linear(x, self.routers[nxt], self.router_biases[nxt] if self.router_biases is not None else None)
         predicted = router_topk(logits, call.hit_slots.numel() // x.shape[0], True, self.num_experts)[0]
         # a decode layer's host share: the host's part of the predicted experts stays off the link
-        host_costs = self.host_decode.costs if self.host_decode is not None and not large else None
+        share = self.host_decode
+        host_costs = share.costs if share is not None and not large and share.covers(x.shape[0]) else None
         pcall = self.cache.prefetch(
             nxt, predicted.contiguous(), n_rows, call, evict_below=evict_below, host_costs=host_costs
         )
