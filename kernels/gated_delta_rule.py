@@ -41,20 +41,25 @@ def gated_delta_rule_varlen(
     return out
 
 
+# the longest request the recurrent rule takes (token after token, one program a request and head): decode steps and
+# speculative verify rows, with no host-built chunk list, so a CUDA graph can hold them; a longer one is chunked
+RECURRENT_MAX_TOKENS = 17
+
+
 def _fla_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     v_heads, k_heads = v.shape[1], k.shape[1]
-    all_decode = max(query_lens) == 1
-    if not all_decode:  # normalised here, not by fla's chunked rule (see _l2norm)
+    recurrent = 0 < min(query_lens) and max(query_lens) <= RECURRENT_MAX_TOKENS
+    if not recurrent:  # normalised here, not by fla's chunked rule (see _l2norm)
         q, k = _l2norm(q), _l2norm(k)
     if v_heads != k_heads:  # grouped heads: give every value head its q/k head
         q = q.repeat_interleave(v_heads // k_heads, dim=1)
         k = k.repeat_interleave(v_heads // k_heads, dim=1)
     initial = states[state_slots]  # [R, v_heads, k_dim, v_dim]
-    rule = fused_recurrent_gated_delta_rule if all_decode else chunk_gated_delta_rule
+    rule = fused_recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
     # the chunked rule's chunk list made here, from the host's lengths (see chunk_indices)
-    chunked = {} if all_decode else {"chunk_size": FLA_CHUNK, "chunk_indices": chunk_indices(query_lens, q.device)}
+    chunked = {} if recurrent else {"chunk_size": FLA_CHUNK, "chunk_indices": chunk_indices(query_lens, q.device)}
     # by keyword: fla's positional order differs between the two functions
     out, final = rule(
         q=q[None].contiguous(),
@@ -65,7 +70,7 @@ def _fla_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens):
         initial_state=initial.contiguous(),
         output_final_state=True,
         cu_seqlens=query_start.long(),
-        use_qk_l2norm_in_kernel=all_decode,
+        use_qk_l2norm_in_kernel=recurrent,
         **chunked,
     )
     states[state_slots] = final.float()

@@ -1,6 +1,7 @@
-"""Paged attention dispatch: on CUDA the Triton decode kernel when every request brings one token,
-else FlashAttention for each request with a long query (kernels/paged_attention_flash.py: its K/V
-gathered from the pages) and the blocked Triton prefill kernel for the rest; the reference twin elsewhere.
+"""Paged attention dispatch: on CUDA the Triton decode kernel when every request brings at most
+SHORT_QUERY_TOKENS tokens (decode steps, speculative verify rows), else FlashAttention for each request with a
+long query (kernels/paged_attention_flash.py: its K/V gathered from the pages) and the blocked Triton prefill
+kernel for the rest; the reference twin elsewhere.
 Attention with sinks or a sliding window (gpt-oss) takes the Triton kernels only: SDPA has no sink term.
 A sliding group kept in rings (plan/kv_groups.py) is read through the requests' slots, not a page table."""
 
@@ -17,6 +18,11 @@ from ferry.kernels.paged_attention_flash import flash_available, flash_prefill_i
 from ferry.kernels.paged_attention_reference import paged_attention_reference, write_kv
 
 __all__ = ["paged_attention", "write_kv"]
+
+# the longest query the decode kernel takes (one program a token, each over its own keys): a verify row's
+# K + 1 positions and a hybrid's kept drafts computed again (2K + 1 at K = 8) run as a decode step's tokens do, with
+# no host-built block list, so a CUDA graph can hold them; a longer query shares its key reads in the prefill kernel
+SHORT_QUERY_TOKENS = 17
 
 log = structlog.get_logger("worker.attention")
 _refusals_logged: set[tuple] = set()
@@ -64,7 +70,7 @@ def paged_attention(
 
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     extra = dict(sinks=sinks, window=window, ring_pages=ring_pages)
-    if q.shape[0] == len(query_lens):  # one new token per request: decode
+    if max(query_lens, default=0) <= SHORT_QUERY_TOKENS:  # decode, a verify row: each token its own program
         return triton_kernels.paged_attention_decode_triton(
             q,
             k_cache,

@@ -84,6 +84,9 @@ class PlanRequest:
     # off | ngram | mtp (shared/speculation.py); mtp: the spec the plan is made for holds the MTP layers' K/V
     # (plan/mtp_layer.py's drafting_spec) and the weights measured hold their weights. None: off
     speculative_method: str | None = None
+    # --speculative-tokens K: drafts a row carries at most (the worker's verify and chain graphs' shapes, measured as
+    # the decode graphs' workspace). None: shared/speculation.py's default
+    speculative_tokens: int | None = None
     # not a flag: the snapshots a running request gets by default (None: DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST);
     # plan/memory_defaults.py sets it where experts are offloaded
     snapshots_per_running_request: int | None = None

@@ -10,7 +10,7 @@ from ferry.plan.host_memory import BANK_FORMATS
 from ferry.plan.planner import DEFAULT_MEMORY_RATIO, PlanRequest
 from ferry.plan.pool_layout import KV_CACHE_DTYPES
 from ferry.shared.errors import ConfigError
-from ferry.shared.speculation import SPECULATIVE_METHOD_HELP, SPECULATIVE_METHODS
+from ferry.shared.speculation import SPECULATIVE_METHOD_HELP, SPECULATIVE_METHODS, SPECULATIVE_TOKENS_HELP
 from ferry.shared.units import parse_bytes
 
 PLANNER_FIELDS = (
@@ -34,6 +34,7 @@ PLANNER_FIELDS = (
     "host_expert_cpus",
     "kv_cache_dtype",
     "speculative_method",
+    "speculative_tokens",
 )
 # the fields that are byte sizes (forwarded to a child process with their unit: `--gpu-memory 123B`)
 BYTE_FIELDS = ("gpu_memory", "host_memory")
@@ -228,6 +229,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-method", default=None, metavar="|".join(SPECULATIVE_METHODS), help=SPECULATIVE_METHOD_HELP
     )
+    # the worker captures the verify steps' graphs (and the MTP chain's) for up to K drafts a row
+    g.add_argument("--speculative-tokens", type=int, default=None, metavar="K", help=SPECULATIVE_TOKENS_HELP)
 
 
 def plan_request_from_args(args: argparse.Namespace) -> PlanRequest:

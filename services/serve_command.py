@@ -29,7 +29,6 @@ from ferry.services.scheduler.config import (
     add_prefill_coalesce_flag,
     add_prefix_cache_flag,
     add_schedule_ahead_flag,
-    add_speculation_flags,
     add_step_timeout_flag,
     prefill_coalesce_s,
     schedule_ahead_steps,
@@ -77,7 +76,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_schedule_ahead_flag(g)
     add_prefill_coalesce_flag(g)
     add_prefix_cache_flag(g)
-    add_speculation_flags(g, method=False)  # --speculative-method: a planner flag (add_worker_flags)
     add_boot_flag(g)
     add_log_flags(parser)
 

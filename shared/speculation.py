@@ -26,13 +26,16 @@ SPECULATIVE_METHOD_HELP = (
     "multi-token-prediction layer (Qwen3.5/3.6, Qwen3-Next, GLM-4.5/4.6/4.7: its weights and its K/V are planned "
     "beside the target's); both verify the drafts in one forward, keeping the output's distribution exactly "
     "(greedy: the same tokens); requests with penalties, a grammar, logprobs or a seed decode without it; steps "
-    "with drafts run eagerly and are not scheduled ahead; how many drafts a row carries is chosen per step from "
-    "the request's acceptance and the verify's cost (default off). FERRY_BENCH_ORACLE_DRAFTS / "
-    "FERRY_BENCH_RECORD_SEQUENCES are benchmark-only (bench/speculation_oracle.py) and refused without "
-    "FERRY_BENCH_ONLY=1"
+    "with drafts are not scheduled ahead (on CUDA they replay graphs where a step's rows are one length); how "
+    "many drafts a row carries is chosen per step from the request's acceptance and the verify's cost (default "
+    "off). FERRY_BENCH_ORACLE_DRAFTS / FERRY_BENCH_RECORD_SEQUENCES are benchmark-only "
+    "(bench/speculation_oracle.py) and refused without FERRY_BENCH_ONLY=1"
 )
 DEFAULT_SPECULATIVE_TOKENS = 4
 MAX_SPECULATIVE_TOKENS = 16  # a verify row is a short prefill chunk; past this a miss wastes more than a hit saves
+SPECULATIVE_TOKENS_HELP = (
+    f"drafts a decoding row carries at most (default {DEFAULT_SPECULATIVE_TOKENS}, at most {MAX_SPECULATIVE_TOKENS})"
+)
 # n-gram sizes prompt lookup matches, longest first (vLLM's prompt_lookup_min/max): one token alone matches
 # too often to be worth a verify row's extra positions, past four a match is rarely longer.
 NGRAM_MIN = 2

@@ -17,9 +17,9 @@ from ferry.shared.errors import ConfigError
 from ferry.shared.side_http import add_side_http_flags
 from ferry.shared.speculation import (
     DEFAULT_SPECULATIVE_TOKENS,
-    MAX_SPECULATIVE_TOKENS,
     SPECULATIVE_METHOD_HELP,
     SPECULATIVE_METHODS,
+    SPECULATIVE_TOKENS_HELP,
     speculation_problems,
 )
 from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure, require_keys_for_tcp
@@ -127,28 +127,22 @@ def add_prefill_coalesce_flag(group) -> None:
     )
 
 
-def add_speculation_flags(group, method: bool = True) -> None:
-    """`--speculative-method` and `--speculative-tokens`, for `ferry scheduler` and `ferry serve` (which passes
-    them on); `method=False` where the planner's flags define --speculative-method already (serve: the worker
-    plans the MTP layer's memory with it)."""
-    if method:
-        group.add_argument(
-            "--speculative-method", default="off", metavar="|".join(SPECULATIVE_METHODS), help=SPECULATIVE_METHOD_HELP
-        )
+def add_speculation_flags(group) -> None:
+    """`--speculative-method` and `--speculative-tokens`, for `ferry scheduler` (`ferry serve` has them among the
+    planner's flags: the worker plans the MTP layer's memory and captures the verify graphs with them)."""
     group.add_argument(
-        "--speculative-tokens",
-        type=int,
-        default=DEFAULT_SPECULATIVE_TOKENS,
-        metavar="K",
-        help=f"drafts a decoding row carries at most (default {DEFAULT_SPECULATIVE_TOKENS}, at most "
-        f"{MAX_SPECULATIVE_TOKENS})",
+        "--speculative-method", default="off", metavar="|".join(SPECULATIVE_METHODS), help=SPECULATIVE_METHOD_HELP
+    )
+    group.add_argument(
+        "--speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, metavar="K", help=SPECULATIVE_TOKENS_HELP
     )
 
 
 def speculation_from_args(args: argparse.Namespace) -> tuple[str, int]:
     """(--speculative-method, --speculative-tokens), checked."""
     method = getattr(args, "speculative_method", None) or "off"  # the planner's flag: None where not given
-    tokens = getattr(args, "speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
+    tokens = getattr(args, "speculative_tokens", None)  # the planner's flag: None where not given
+    tokens = DEFAULT_SPECULATIVE_TOKENS if tokens is None else tokens
     problems = speculation_problems(method, tokens)
     if problems:
         raise ConfigError("; ".join(problems))

@@ -53,6 +53,7 @@ from ferry.services.worker.workspace_profile import (
 )
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.errors import ConfigError, FerryError
+from ferry.shared.speculation import DEFAULT_SPECULATIVE_TOKENS, speculation_problems
 from ferry.shared.units import MiB, format_bytes
 
 log = structlog.get_logger("worker")
@@ -175,6 +176,7 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     """Boot in three parts: resolve what was asked (here), load the dense weights, measure, plan and
     allocate (`_load_and_plan`), then load the experts and make the executor (`_finish_boot`)."""
     device = select_device(cfg.device)
+    graphed_drafts(cfg.plan)  # the speculation flags refused before anything loads
     files = open_model(cfg.model, cfg.load_format, cfg.revision)
     # --speculative-method mtp: the MTP layers' K/V in the plan and the pools (refused for a model without them)
     files = dataclasses.replace(files, spec=spec_for_method(files.spec, cfg.plan.speculative_method))
@@ -314,7 +316,7 @@ def _load_and_plan(
                 key = _graph_key(step.max_running_requests, step.max_model_len, step.page_size)
                 if graphs_wanted and buckets and key not in graph_bytes_by_step:  # the decode graphs' pool and buffers
                     graph_bytes_by_step[key] = profile_decode_graphs_cuda(
-                        model, experts, spec, step, device, buckets, mtp_head
+                        model, experts, spec, step, device, buckets, mtp_head, graphed_drafts(cfg.plan)
                     )
                 source = "profiled"
                 if graph_bytes_by_step.get(key) is not None:
@@ -475,7 +477,9 @@ def _finish_boot(
     if below is not None:
         buckets = graph_buckets(spec.num_experts_per_tok, plan.max_running_requests, below=below)
     graphs = (
-        _capture_graphs(booted, spec, device, buckets, store) if booted.graph_bytes is not None and buckets else None
+        _capture_graphs(booted, spec, device, buckets, store, graphed_drafts(req))
+        if booted.graph_bytes is not None and buckets
+        else None
     )
     if device.type == "cuda":
         _restart_statistics(store)  # the warm-up and the captures ran padding rows only
@@ -504,7 +508,18 @@ def _finish_boot(
     ), plan
 
 
-def _capture_graphs(booted: Booted, spec, device: torch.device, buckets: list[int], store):
+def graphed_drafts(req: PlanRequest) -> int:
+    """The drafts a row carries at most where speculation is on (the verify and MTP chain graphs' shapes), else 0;
+    a bad --speculative-method or --speculative-tokens is a ConfigError naming the flag."""
+    method = req.speculative_method or "off"
+    tokens = DEFAULT_SPECULATIVE_TOKENS if req.speculative_tokens is None else req.speculative_tokens
+    problems = speculation_problems(method, tokens)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return 0 if method == "off" else tokens
+
+
+def _capture_graphs(booted: Booted, spec, device: torch.device, buckets: list[int], store, drafts: int):
     """Capture the decode graphs into the workspace the plan priced for them (measured before the
     plan by capturing the same graphs); if the real capture takes more, it is dropped and every
     step runs eagerly, so the promise of --gpu-memory holds either way."""
@@ -522,6 +537,7 @@ def _capture_graphs(booted: Booted, spec, device: torch.device, buckets: list[in
         plan.max_running_requests,
         count_step=store.count_step_on_device,
         mtp_head=booted.mtp_head,
+        speculative_tokens=drafts,
     )
     try:
         graphs.capture()

@@ -34,7 +34,9 @@ from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
 from ferry.kernels.sample_rows import sample_rows
 from ferry.services.worker.decode_io import TAIL_FIELDS, DecodeInputs, DecodeResults, device_views, forward_bytes
 from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.services.worker.mtp_chain_graphs import ChainGraphs, chain_shapes
 from ferry.services.worker.mtp_drafts import write_decode_kv
+from ferry.services.worker.verify_graphs import VerifyGraphs, verify_shapes
 from ferry.shared.step import StepBatch
 from ferry.shared.units import ceil_div
 
@@ -85,12 +87,15 @@ class DecodeGraphs:
         max_sampled_rows: int,
         count_step=None,
         mtp_head=None,
+        speculative_tokens: int = 0,
     ):
         """`max_sampled_rows`: the most rows any step samples (the plan's max_running_requests): the
         size of `last_tokens`, which every step (eager ones too, executor.py) leaves its samples in.
         `count_step`: the expert store's `count_step_on_device`, which the graphs hold after the forward.
         `mtp_head`: --speculative-method mtp's draft head, whose K/V of the step's rows the graphs write after
-        the sampling (mtp_drafts.py's `write_decode_kv`), keeping the final hidden states for its chain."""
+        the sampling (mtp_drafts.py's `write_decode_kv`), keeping the final hidden states for its chain.
+        `speculative_tokens`: --speculative-tokens where speculation is on (else 0): the verify steps' graphs
+        (verify_graphs.py) and with `mtp_head` its chain's (mtp_chain_graphs.py) are captured into the same pool."""
         self.model, self.pools, self.page_size, self.device = model, pools, page_size, torch.device(device)
         self.max_pages = ceil_div(max_model_len, page_size)
         self.buckets = sorted(buckets)
@@ -102,6 +107,17 @@ class DecodeGraphs:
         largest = max(self.buckets, default=1)
         self.last_tokens = torch.zeros(max(max_sampled_rows, largest), dtype=torch.int64, device=self.device)
         self.noise = torch.ones(largest, vocab_size, dtype=torch.float32, device=self.device)  # Exp(1) draws, shared
+        self.verify: VerifyGraphs | None = None
+        self.chains: ChainGraphs | None = None
+        if speculative_tokens and self.buckets:
+            hidden = model.spec.hidden_size
+            shapes = verify_shapes(self.buckets, speculative_tokens)
+            self.verify = VerifyGraphs(
+                model, pools, page_size, self.max_pages, shapes, self.device, vocab_size, hidden, count_step
+            )
+            if mtp_head is not None:
+                shapes = chain_shapes(self.buckets, speculative_tokens)
+                self.chains = ChainGraphs(mtp_head, model, pools, page_size, self.max_pages, shapes, self.device)
 
     def capture(self, warmups: int = 2) -> None:
         """Warm every bucket up eagerly (Triton compilation, library handles), then capture them,
@@ -109,6 +125,7 @@ class DecodeGraphs:
         is captured: each replay runs the graph's body eagerly (`run`; the CPU tests of the graph path)."""
         if self.device.type != "cuda":
             self.graphs = {rows: self._bucket(rows) for rows in self.buckets}
+            self._capture_speculation(None, warmups)
             return
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
@@ -121,6 +138,14 @@ class DecodeGraphs:
                     g.logits, g.sampled, g.hidden = self._forward(g)
                 self.graphs[rows] = g
         torch.cuda.synchronize(self.device)
+        self._capture_speculation(pool, warmups)
+
+    def _capture_speculation(self, pool, warmups: int) -> None:
+        with torch.inference_mode():
+            if self.verify is not None:
+                self.verify.capture(pool, warmups)
+            if self.chains is not None:
+                self.chains.capture(pool, warmups)
 
     def _bucket(self, rows: int) -> _Graph:
         """A bucket's static input buffer (the forward's arrays, then the tail's: decode_io.py's layout),

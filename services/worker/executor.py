@@ -69,6 +69,9 @@ class StepExecutor:
         ask for (mtp_drafts.py)."""
         self.model = model
         self.store = store
+        self.mtp = (
+            None if mtp_head is None else MtpDrafter(mtp_head, model, pools, plan.kv.page_size, torch.device(device))
+        )
         self.graphs = graphs
         self.pools = pools
         self.spec = spec
@@ -82,7 +85,17 @@ class StepExecutor:
         # FERRY_STEP_TRACE (the worker sets it): time each step on the device, and the device's idle time before it
         self.trace_device = False
         self._last_end: torch.cuda.Event | None = None
-        self.mtp = None if mtp_head is None else MtpDrafter(mtp_head, model, pools, plan.kv.page_size, self.device)
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self._graphs
+
+    @graphs.setter
+    def graphs(self, graphs: DecodeGraphs | None) -> None:
+        """The decode graphs, and the MTP chain's among them for the drafter."""
+        self._graphs = graphs
+        if self.mtp is not None:
+            self.mtp.graphs = graphs.chains if graphs is not None else None
 
     def execute(self, batch: StepBatch) -> StepOutput:
         return self.finish(self.launch(batch))
@@ -112,8 +125,11 @@ class StepExecutor:
                 ),
             )
         drafting = batch.draft_lens is not None and bool(batch.draft_lens.any())
-        # a drafting row is several tokens: the decode graphs refuse it (bucket_for), it runs eagerly
+        # a drafting row is several tokens: the decode graphs refuse it (bucket_for); a verify graph replays the
+        # step where its rows are all one length (verify_graphs.py), else it runs eagerly
         bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        verify_graphs = self.graphs.verify if self.graphs is not None and drafting else None
+        verify_shape = verify_graphs.shape_for(batch, feed_src) if verify_graphs is not None else None
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
         ids = sampled_ids.tolist()
@@ -123,14 +139,17 @@ class StepExecutor:
             self._hold_states(batch)
             in_graph = None  # the graph's own sampling serves the step: (inverse temperatures, noise rows)
             replay = None  # a decode graph's replay's timing events (StepOutput.decode_step_s)
-            # a step with drafts runs eagerly (never a graph's): its forward and verify timed (verify_step_s)
+            # a step with drafts: its forward and verify timed (verify_step_s)
             verify = [_timing_event(self.device)] if drafting else None
             if bucket is not None:
                 in_graph = self.sampler.graph_sampling(ids, self.graphs.noise)
                 logits = self.graphs.run(batch, bucket, feed_src, in_graph)
                 replay = self.graphs.last_replay
+            elif verify_shape is not None:
+                logits, hidden, step_tokens = verify_graphs.run(batch, verify_shape)
             elif prompt_rows or self.mtp is not None:  # the MTP head reads the step's hidden states
                 fb = self._eager_batch(batch, previous, feed_src)
+                step_tokens = fb.tokens
                 hidden = self.model.hidden_states(fb, self.pools)
                 logits = self.model.logits(hidden[fb.logits_rows])
                 if prompt_rows:
@@ -147,7 +166,7 @@ class StepExecutor:
                 if self.graphs is not None:
                     self.graphs.keep_samples(tokens)
                 if self.store is not None:
-                    self.store.stats_to_host(counted=False)
+                    self.store.stats_to_host(counted=verify_shape is not None)
                 extra = [accepted] + ([] if top is None else list(top[1:]))
                 for _, _, _, tensors in prompt_parts:
                     extra.extend(tensors)
@@ -173,7 +192,7 @@ class StepExecutor:
                 step_tokens, hidden = self.graphs.step_tensors(bucket, len(batch.req_ids))
                 mtp_drafts = self.mtp.run(batch, step_tokens, hidden, tokens, None, kv_written=in_graph is not None)
             elif self.mtp is not None:  # after the verify: the slots it writes depend on the drafts kept
-                mtp_drafts = self.mtp.run(batch, fb.tokens, hidden, tokens, accepted)
+                mtp_drafts = self.mtp.run(batch, step_tokens, hidden, tokens, accepted)
         self._last_sampled = (sampled_ids, tokens)
         launched = _Launched(
             batch,

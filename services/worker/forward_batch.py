@@ -97,13 +97,15 @@ class ForwardBatch:
         pad_to: int | None = None,
         max_pages: int | None = None,
         into: torch.Tensor | None = None,
+        row_tokens: int = 1,
     ) -> "ForwardBatch":
-        """The step's tensors on `device`. For a CUDA graph's fixed shapes (decode steps only:
-        one token per request), `pad_to` rows and `max_pages` page-table columns, written `into`
-        the graph's static input buffer (its layout is the same for every step of that shape).
-        Padding rows are harmless by the index conventions of shared/step.py: token 0 at position
-        0 of the sentinel page, the padding state slot, and `real_tokens` tells the expert store
-        to leave them out. A step not padded keeps its host step, which its mixers' slices are cut from."""
+        """The step's tensors on `device`. For a CUDA graph's fixed shapes (steps whose every row has
+        `row_tokens` tokens and samples: a decode step's one, a verify step's drafts; every position's
+        logits kept), `pad_to` rows and `max_pages` page-table columns, written `into` the graph's static
+        input buffer (its layout is the same for every step of that shape). Padding rows are harmless by
+        the index conventions of shared/step.py: their tokens 0, all at position 0 of the sentinel page, the
+        padding state slot, and `real_tokens` tells the expert store to leave them out. A step not padded
+        keeps its host step, which its mixers' slices are cut from."""
         qlens = step.query_lens.astype(np.int64)
         clens = step.context_lens.astype(np.int64)
         qstart = np.zeros(len(qlens) + 1, dtype=np.int64)
@@ -134,18 +136,20 @@ class ForwardBatch:
         )
         rows = len(qlens)
         if pad_to is not None:
-            arrays = _padded_decode(arrays, rows, pad_to, max_pages)
+            if not step.sample.all():
+                raise ValueError("only steps whose every request samples are padded for a graph")
+            arrays = _padded_rows(arrays, rows, pad_to, max_pages, row_tokens)
             rows = pad_to
         pad = rows - len(qlens)
         inside = tuple(
             (int(i), int(step.save_offset[i]), int(step.save_state[i])) for i in np.flatnonzero(step.saved_inside())
         )
         if inside and pad_to is not None:
-            raise ValueError("a decode graph's step saves no state inside a row (one token a row)")
+            raise ValueError("a graph's step saves no state inside a row")
         return cls(
             **_to_device_in_one_copy(arrays, torch.device(device), into),
             sample_mask=np.concatenate([step.sample.astype(bool), np.ones(pad, bool)]),
-            query_lens_host=qlens.tolist() + [1] * pad,
+            query_lens_host=qlens.tolist() + [row_tokens] * pad,
             context_lens_host=clens.tolist() + [0] * pad,
             state_slots_host=np.asarray(step.linear_state_slots, dtype=np.int64).tolist() + [0] * pad,
             page_size=page_size,
@@ -162,30 +166,30 @@ def _ranges(lengths: np.ndarray) -> np.ndarray:
     return np.arange(int(lengths.sum())) - starts
 
 
-def _padded_decode(arrays: dict, rows: int, pad_to: int, max_pages: int) -> dict:
-    """A decode step's arrays (one token per request, every request sampling) padded to
-    `pad_to` rows and a `max_pages`-wide page table."""
+def _padded_rows(arrays: dict, rows: int, pad_to: int, max_pages: int, row_tokens: int = 1) -> dict:
+    """A graph's step arrays (every request `row_tokens` new tokens, every request sampling) padded to
+    `pad_to` rows and a `max_pages`-wide page table, every position's logits kept."""
+    n = row_tokens
     if rows > pad_to or arrays["page_table"][0].shape[1] > max_pages:
         raise ValueError(
             f"a step of {rows} requests and {arrays['page_table'][0].shape[1]} pages does not fit "
             f"a graph of {pad_to} rows and {max_pages} pages"
         )
-    if int(arrays["query_start"][0][-1]) != rows or len(arrays["logits_rows"][0]) != rows:
-        raise ValueError("only decode steps (one token per request, every request sampling) are padded")
+    if (arrays["query_lens"][0] != n).any():
+        raise ValueError(f"only steps of {n} token(s) a request are padded to {n} a row")
     extra = pad_to - rows
 
-    def tail(a, value=0):
-        return np.concatenate([np.asarray(a), np.full(extra, value, dtype=np.asarray(a).dtype)])
+    def tail(name, per_row=1):
+        a = np.asarray(arrays[name][0])
+        return np.concatenate([a, np.zeros(extra * per_row, dtype=a.dtype)]), arrays[name][1]
 
-    out = {
-        name: (tail(a), dt)
-        for name, (a, dt) in arrays.items()
-        if name in ("tokens", "positions", "slot_mapping", "state_slots", "context_lens", "reset_state")
-    }
-    out["query_lens"] = (np.ones(pad_to, np.int64), np.int32)
-    out["query_start"] = (np.arange(pad_to + 1), np.int32)
-    out["token_request"] = (np.arange(pad_to), np.int32)
-    out["logits_rows"] = (np.arange(pad_to), np.int64)
+    # a padding row's tokens: token 0, all at position 0 of the sentinel page (page 0), the padding state slot 0
+    out = {name: tail(name, n) for name in ("tokens", "positions", "slot_mapping")}
+    out |= {name: tail(name) for name in ("state_slots", "context_lens", "reset_state")}
+    out["query_lens"] = (np.full(pad_to, n, np.int64), np.int32)
+    out["query_start"] = (np.arange(pad_to + 1) * n, np.int32)
+    out["token_request"] = (np.repeat(np.arange(pad_to), n), np.int32)
+    out["logits_rows"] = (np.arange(pad_to * n), np.int64)
     table = np.zeros((pad_to, max_pages), dtype=np.int32)
     pt = arrays["page_table"][0]
     table[: pt.shape[0], : pt.shape[1]] = pt

@@ -48,6 +48,7 @@ class MtpDrafter:
         self.device = device
         self.kv_layer = mtp_kv_layer(head.spec, 0)
         self.chain_position_s = 0.0  # the last chain's device seconds a position (CUDA; 0 off it)
+        self.graphs = None  # the chain's graphs (mtp_chain_graphs.py), where the decode graphs captured them
 
     @torch.inference_mode()
     def run(
@@ -120,6 +121,15 @@ class MtpDrafter:
         k = asked[row]
         first = to_device(ends[[j for j, _ in chain]].tolist(), torch.int64, self.device)
         g, token = entries[first], tokens[first]
+        shape = self.graphs.shape_for(len(chain), k_max) if self.graphs is not None else None
+        if shape is not None:  # the chain's positions in one replay (mtp_chain_graphs.py)
+            chained = self.graphs.run(shape, g, token, last, k, np.asarray(batch.page_table)[row])
+            drafts[to_device(at.tolist(), torch.int64, self.device)] = chained
+            out = drafts.to(torch.int32).cpu().numpy()  # waits for the chain
+            if self.graphs.last_replay is not None:
+                start, end = self.graphs.last_replay
+                self.chain_position_s = start.elapsed_time(end) / 1e3 / k_max
+            return out
         timed = torch.cuda.Event(enable_timing=True) if self.device.type == "cuda" else None
         if timed is not None:
             timed.record()

@@ -166,8 +166,10 @@ def profile_decode_graphs_cuda(
     device: torch.device,
     buckets: list[int],
     mtp_head=None,
+    speculative_tokens: int = 0,
 ) -> int | None:
-    """Device memory the decode graphs take (their shared pool and static buffers), measured by
+    """Device memory the decode graphs take (their shared pool and static buffers; with `speculative_tokens`
+    the verify and MTP chain graphs beside them, as boot captures them), measured by
     capturing them on temporary pools with one MoE layer's slots serving every layer, then freed.
     The offloading store's graph-safe path allocates a few more small tensors per layer (the next
     layer's router logits and top-k for the prefetch, [T, experts] at most 64 rows): one more
@@ -192,6 +194,7 @@ def profile_decode_graphs_cuda(
             r.max_running_requests,
             count_step=experts.count_step_on_device,
             mtp_head=mtp_head,
+            speculative_tokens=speculative_tokens,
         )
         graphs.capture()
         torch.cuda.synchronize(device)

@@ -83,3 +83,62 @@ def test_mtp_drafts_keep_the_greedy_tokens(tmp_path, arch, monkeypatch):
     del executor
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("arch, method", [("qwen3_moe", "ngram"), ("glm4_moe", "mtp")])
+def test_single_stream_verify_steps_replay_their_graphs_and_keep_the_tokens(
+    tmp_path, tiny_models, arch, method, monkeypatch
+):
+    """One request at a time, every verify step one row: it replays a verify graph (and with mtp the chain replays
+    the chain graphs), and greedy decoding gives speculation off's tokens but at near ties. Graphs == eager: the
+    same requests with --enforce-eager give the same tokens."""
+    model = tiny_models[arch] if method == "ngram" else make_tiny_model(tmp_path / arch, arch, seed=0, mtp=True)
+    flags = ("--speculative-method", method)
+    executor, plan = boot(model, *CUDA, *flags)
+    graphs = executor.graphs
+    assert graphs is not None and graphs.verify is not None and graphs.verify.graphs
+    assert (graphs.chains is not None and bool(graphs.chains.chains)) == (method == "mtp")
+    replays = {"verify": 0, "chain": 0}
+    for kind, owner in (("verify", graphs.verify), ("chain", graphs.chains)):
+        if owner is not None:
+            run = owner.run
+            monkeypatch.setattr(
+                owner,
+                "run",
+                lambda *a, _run=run, _kind=kind: replays.__setitem__(_kind, replays[_kind] + 1) or _run(*a),
+            )
+    off_tokens, on_tokens, margins = [], [], []
+    reference = {}
+    for prompt, n in zip(PROMPTS, MAX_TOKENS):
+        (off,), _ = generate(executor, plan, [(prompt, SamplingParams(temperature=0, logprobs=2), n)])
+        entries = next(iter(generate.logprobs.values()))
+        top = np.concatenate([e.top_logprobs for e in entries])
+        off_tokens.append(off[0])
+        margins.append(top[:, 0] - top[:, 1])
+        reference[tuple(prompt)] = off[0]
+    if method == "ngram":
+        monkeypatch.setattr(batcher_module, "propose_ngram", knowing_drafter(reference, executor.spec.vocab_size))
+    drafted = 0
+    for prompt, n in zip(PROMPTS, MAX_TOKENS):
+        (on,), sched = generate(executor, plan, [(prompt, SamplingParams(temperature=0), n)], method, k=4)
+        on_tokens.append(on[0])
+        drafted += sched.drafted_tokens
+    assert drafted > 0 and replays["verify"] > 0 and (replays["chain"] > 0) == (method == "mtp")
+    for want, got, margin in zip(off_tokens, on_tokens, margins):
+        first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        if first is not None:
+            assert margin[first] < NEAR_TIE, (arch, first, float(margin[first]), want, got)
+        else:
+            assert len(got) == len(want)
+    del executor, graphs
+    gc.collect()
+    torch.cuda.empty_cache()
+    eager, plan = boot(model, *CUDA, *flags, "--enforce-eager")
+    assert eager.graphs is None
+    for prompt, n, got in zip(PROMPTS, MAX_TOKENS, on_tokens):
+        (again,), _ = generate(eager, plan, [(prompt, SamplingParams(temperature=0), n)], method, k=4)
+        first = next((i for i, (a, b) in enumerate(zip(got, again[0])) if a != b), None)
+        assert first is None or margins[PROMPTS.index(prompt)][first] < NEAR_TIE, (arch, first)
+    del eager
+    gc.collect()
+    torch.cuda.empty_cache()

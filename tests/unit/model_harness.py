@@ -112,6 +112,20 @@ class PagedRunner:
         ([len(tokens), vocab], `forward_all_logits`) or, with all_rows=False, of the last one only
         ([1, vocab], `forward`: the serving path). `padding` appends that many padded rows (one
         token, sentinel page table, padding slot, no sampling), as a fixed-shape executor would."""
+        step = self.step_batch(items, padding)
+        batch = ForwardBatch.from_step(step, self.page_size, self.device)
+        if all_rows:
+            logits = self.model.forward_all_logits(batch, self.pools)
+            ends = np.cumsum([len(ts) for _, ts in items]).tolist()
+            out = [logits[end - len(ts) : end] for (_, ts), end in zip(items, ends)]
+        else:
+            out = list(self.model.forward(batch, self.pools)[:, None, :])  # padded rows do not sample
+        self.advance(items)
+        return out
+
+    def step_batch(self, items: list[tuple[int, list[int]]], padding: int = 0) -> StepBatch:
+        """The StepBatch of one step over (req_id, new tokens) items, the requests' pages grown for them (`step`'s;
+        `advance` moves their contexts past the tokens once the step ran)."""
         reset = []
         for req_id, tokens in items:
             if req_id not in self.requests:
@@ -140,16 +154,11 @@ class PagedRunner:
             sample=np.array([True] * len(items) + [False] * padding, dtype=bool),
         )
         self.step_id += 1
-        batch = ForwardBatch.from_step(step, self.page_size, self.device)
-        if all_rows:
-            logits = self.model.forward_all_logits(batch, self.pools)
-            ends = np.cumsum([len(ts) for _, ts in items]).tolist()
-            out = [logits[end - len(ts) : end] for (_, ts), end in zip(items, ends)]
-        else:
-            out = list(self.model.forward(batch, self.pools)[:, None, :])  # padded rows do not sample
-        for (_, tokens), r in zip(items, reqs):
-            r.context_len += len(tokens)
-        return out
+        return step
+
+    def advance(self, items: list[tuple[int, list[int]]]) -> None:
+        for req_id, tokens in items:
+            self.requests[req_id].context_len += len(tokens)
 
     def generate(self, req_id: int, prompt: list[int], steps: int, chunks: list[int] | None = None):
         """Prefill (in chunks of the given sizes, the rest in one) then `steps` greedy tokens.

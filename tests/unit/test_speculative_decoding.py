@@ -34,7 +34,7 @@ from ferry.services.scheduler.ngram_proposer import TokenArray, propose_ngram
 from ferry.services.serve_command import child_commands
 from ferry.services.worker import executor as executor_module
 from ferry.services.worker import speculative_verify
-from ferry.services.worker.boot import boot_worker
+from ferry.services.worker.boot import boot_worker, graphed_drafts
 from ferry.services.worker.executor import StepBatchError, StepExecutor
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
 from ferry.services.worker.forward_batch import ForwardBatch
@@ -613,6 +613,8 @@ def test_bad_speculation_flags_name_the_flag(flags, flag):
         scheduler_config_from_args(parse("scheduler", *flags))
     with pytest.raises(ConfigError, match=flag):  # serve refuses them before it starts anything
         serve_command.run(parse("serve", "/models/m", *flags))
+    with pytest.raises(ConfigError, match=flag):  # and a worker started alone, before it loads anything
+        graphed_drafts(boot_config_from_args(parse("worker", "--model", "/models/m", *flags)).plan)
 
 
 def test_speculation_flags_reach_the_scheduler_from_serve():
@@ -624,9 +626,10 @@ def test_speculation_flags_reach_the_scheduler_from_serve():
         commands = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))
         cfg = scheduler_config_from_args(parse("scheduler", *commands["scheduler"][4:]))
         assert (cfg.speculative_method, cfg.speculative_tokens) == (method, tokens)
-        # the worker plans and loads the MTP head with the same flag
+        # the worker plans and loads the MTP head with the same flag, and captures the verify graphs for K drafts
         worker = boot_config_from_args(parse("worker", *commands["worker"][4:]))
         assert (worker.plan.speculative_method or "off") == method
+        assert graphed_drafts(worker.plan) == (0 if method == "off" else tokens)
 
 
 def test_which_requests_speculate():
