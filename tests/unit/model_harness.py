@@ -107,6 +107,20 @@ class PagedRunner:
         pages = {p for r in self.requests.values() for p in r.pages}
         return pages, {r.slot for r in self.requests.values()}
 
+    def assert_poisoned_past_padding(self) -> None:
+        """After `poison`: every page but the sentinel and the requests' own, every linear-state slot but the
+        padding slot and the requests' own, still NaN (padding rows may write the sentinel page and padding slot)."""
+        pages, slots = self.owned()
+        k_and_v = self.pools.kv.kv
+        for page in range(1, k_and_v.shape[2]):
+            if page not in pages:
+                assert torch.isnan(k_and_v[:, :, page]).all(), f"page {page}"
+        if self.pools.linear_state is not None:
+            recurrent = self.pools.linear_state.recurrent
+            for slot in range(1, recurrent.shape[1]):
+                if slot not in slots:
+                    assert torch.isnan(recurrent[:, slot]).all(), f"slot {slot}"
+
     def step(self, items: list[tuple[int, list[int]]], all_rows: bool = True, padding: int = 0) -> list[torch.Tensor]:
         """One forward over (req_id, new tokens) items. float32 logits per item: of every new token
         ([len(tokens), vocab], `forward_all_logits`) or, with all_rows=False, of the last one only

@@ -78,13 +78,4 @@ def test_padded_rows_touch_only_the_sentinel_page_and_padding_slot(arch, overrid
         for a, b in zip(want, got):
             assert torch.isfinite(b).all()
             assert_logits_close(b, a, rel=1e-5)  # not bitwise: more rows change the GEMM blocking
-    pages, slots = padded.owned()
-    k_and_v = padded.pools.kv.kv
-    for page in range(1, k_and_v.shape[2]):
-        if page not in pages:
-            assert torch.isnan(k_and_v[:, :, page]).all(), f"page {page}"
-    if padded.pools.linear_state is not None:
-        recurrent = padded.pools.linear_state.recurrent
-        for slot in range(1, recurrent.shape[1]):
-            if slot not in slots:
-                assert torch.isnan(recurrent[:, slot]).all(), f"slot {slot}"
+    padded.assert_poisoned_past_padding()

@@ -132,9 +132,10 @@ def _reference_drafts(head, model, hidden: torch.Tensor, tokens: list[int], k: i
     return drafts
 
 
-def _with_decode_graphs(executor, plan) -> list[int]:
-    """Give a CPU executor decode graphs (off CUDA each replay runs the graph's body eagerly), the MTP head's K/V
-    written in them; returns a list that counts the steps replayed."""
+def cpu_decode_graphs(executor, plan, speculative_tokens: int = 0) -> DecodeGraphs:
+    """Decode graphs for a CPU executor as boot makes them (off CUDA each replay runs the graph's body eagerly),
+    the MTP head's K/V written in them where it has one; with `speculative_tokens` the verify graphs (and with a head
+    the chain's) too. Captured, not yet given to the executor."""
     spec = executor.spec
     graphs = DecodeGraphs(
         executor.model,
@@ -145,9 +146,16 @@ def _with_decode_graphs(executor, plan) -> list[int]:
         "cpu",
         spec.vocab_size,
         plan.max_running_requests,
-        mtp_head=executor.mtp.head,
+        mtp_head=executor.mtp.head if executor.mtp is not None else None,
+        speculative_tokens=speculative_tokens,
     )
     graphs.capture()
+    return graphs
+
+
+def _with_decode_graphs(executor, plan) -> list[int]:
+    """Give a CPU executor decode graphs (`cpu_decode_graphs`); returns a list that counts the steps replayed."""
+    graphs = cpu_decode_graphs(executor, plan)
     replayed, run = [], graphs.run
     graphs.run = lambda step, *a: replayed.append(len(step.req_ids)) or run(step, *a)
     executor.graphs = graphs

@@ -19,12 +19,11 @@ from model_harness import PagedRunner, assert_logits_close
 from tiny_models import tiny_model
 
 from ferry.services.scheduler import batcher as batcher_module
-from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.mtp_chain_graphs import chain_shapes
 from ferry.services.worker.verify_graphs import VERIFY_MAX_ROWS, VerifyGraphs, verify_shapes
 from ferry.shared.step import StepBatch
-from tests.unit.test_mtp_drafting import _assert_the_heads_drafts, _chained
+from tests.unit.test_mtp_drafting import _assert_the_heads_drafts, _chained, cpu_decode_graphs
 from tests.unit.test_speculative_decoding import PROMPTS, boot, generate, greedy_requests, knowing_drafter
 
 torch.set_num_threads(1)
@@ -35,20 +34,7 @@ K = 4
 def _with_speculation_graphs(executor, plan) -> dict[str, list]:
     """Give a CPU executor decode graphs with the verify graphs (and the MTP chain's, with a head) for K drafts;
     returns the shapes each kind replayed, in order."""
-    spec = executor.spec
-    graphs = DecodeGraphs(
-        executor.model,
-        executor.pools,
-        plan.kv.page_size,
-        plan.max_model_len,
-        graph_buckets(spec.num_experts_per_tok, plan.max_running_requests),
-        "cpu",
-        spec.vocab_size,
-        plan.max_running_requests,
-        mtp_head=executor.mtp.head if executor.mtp is not None else None,
-        speculative_tokens=K,
-    )
-    graphs.capture()
+    graphs = cpu_decode_graphs(executor, plan, speculative_tokens=K)
     replayed = {"verify": [], "chain": [], "verify_rows": []}
     verify_run = graphs.verify.run
 
@@ -129,16 +115,7 @@ def test_a_verify_graphs_padding_rows_touch_only_the_sentinel_page_and_padding_s
     assert torch.isfinite(got).all() and got.shape == want.shape == (6, spec.vocab_size)
     assert_logits_close(got, want, rel=1e-5)
     assert hidden.shape[0] == 6 and tokens.tolist() == [7, 3, 9, 9, 9, 2]
-    pages, slots = padded.owned()
-    k_and_v = padded.pools.kv.kv
-    for page in range(1, k_and_v.shape[2]):
-        if page not in pages:
-            assert torch.isnan(k_and_v[:, :, page]).all(), f"page {page}"
-    if padded.pools.linear_state is not None:
-        recurrent = padded.pools.linear_state.recurrent
-        for slot in range(1, recurrent.shape[1]):
-            if slot not in slots:
-                assert torch.isnan(recurrent[:, slot]).all(), f"slot {slot}"
+    padded.assert_poisoned_past_padding()
 
 
 def _one_at_a_time(executor, plan, method: str = "off", **options):
