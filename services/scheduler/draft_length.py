@@ -6,7 +6,8 @@ were: a Beta prior (ACCEPT_PRIOR) plus the verified rows, each row of d drafts w
 and one failure unless a == d (the kept drafts are a prefix), old rows decayed by DECAY so a request that turns
 repetitive (or stops) is followed. A row given k drafts then yields E(k) = 1 + a + ... + a^k tokens. Its cost is
 its share of a plain decode step, S / B (B rows in the step), plus what the k extra positions add:
-k x VERIFY_POSITION_S of compute, DRAFT_STEP_OVERHEAD_S (a step with drafts runs eagerly, not as a graph),
+k x VERIFY_POSITION_S of compute, DRAFT_STEP_OVERHEAD_S (a step with drafts costs more than a decode graph's replay:
+eagerly, or a verify graph's replay and the verify rule after it; "the eager step" below),
 and with experts offloaded the expected extra expert misses times one miss's copy (expert bytes / PCIE_BYTES_PER_S);
 the eager step is charged once a step, to its first drafting row (or to none: see `shared_paid` below).
 A step of n tokens touches E_l (1 - (1 - t/E_l)^n) distinct experts a MoE layer (E_l experts, top-t routing,
@@ -38,7 +39,7 @@ for the answer of the one before.
 
 Measured where the worker measures: a decode graph's replay (StepOutput.decode_step_s, on CUDA) stands for S once
 seen, misses and all, an MTP chain's seconds a position (StepOutput.chain_position_s) for a chain position's priced
-cost, and an eager step that verified drafts (StepOutput.verify_step_s) over the replay for the eager step's, each
+cost, and a step that verified drafts (StepOutput.verify_step_s) over the replay for the eager step's, each
 an EWMA (STEP_COST_WEIGHT): the constants and the bytes are only where nothing is measured yet.
 No torch, no clock: the prices are the plan's (PoolReport, with mtp its chain's bytes), the constants below and the
 worker's measurements; the scheduler feeds the outcomes (`observe`), the worker's expert counts
@@ -71,8 +72,9 @@ PROBE_COST_SHARE = 0.02
 DECODE_STEP_S = 1.0e-3
 # one more position in a verify row: a short prefill's compute per token, seconds
 VERIFY_POSITION_S = 5.0e-5
-# a step with drafts runs eagerly instead of as a CUDA graph (an estimate of the launches a graph saves, until the
-# worker has measured a verify step and a replay: `eager_overhead_s`), charged once a step, to its first drafting row
+# what a step with drafts costs beyond a decode graph's replay (run eagerly, or a verify graph's replay and the verify
+# rule after it: an estimate until the worker has measured a verify step and a replay, `eager_overhead_s`), charged
+# once a step, to its first drafting row
 DRAFT_STEP_OVERHEAD_S = 2.0e-4
 # HBM read rate of an MTP chain step's weights, bytes/s (an estimate: ~90 % of a 3.35 TB/s HBM3 peak, what a
 # streaming read reaches)
@@ -186,7 +188,7 @@ class DraftLength:
     miss_rate: float | None = None  # measured (note_expert_lookups); None: 1 - slots / experts
     decode_step_s: float | None = None  # a decode graph's replay, measured (note_step_costs); None: not yet
     chain_position_s: float | None = None  # an MTP chain position, measured (note_step_costs); None: not yet
-    verify_step_s: float | None = None  # an eager step that verified drafts, measured (note_step_costs); None: not yet
+    verify_step_s: float | None = None  # a step that verified drafts, measured (note_step_costs); None: not yet
     _requests: dict[int, _Acceptance] = field(default_factory=dict)
     # every request's verified rows, decayed as a request's are: where a new request's estimate starts (`_fresh`)
     _served: _Acceptance = field(default_factory=_Acceptance)
