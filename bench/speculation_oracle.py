@@ -144,6 +144,12 @@ def main() -> int:
         choices=("ngram", "mtp"),
         help="the drafter the oracle's tokens replace: mtp runs the model's MTP head each step (a model with one)",
     )
+    p.add_argument(
+        "--pinned-drafts",
+        default="",
+        help="also run each alpha with every drafting row given this k (comma-separated; FERRY_BENCH_PINNED_DRAFTS): "
+        "what a fixed k yields beside the controller's choice",
+    )
     p.add_argument("--prompts", type=int, default=3, help="distinct token-id prompts")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -153,6 +159,7 @@ def main() -> int:
     p.add_argument("--ready-timeout", type=float, default=900)
     args = p.parse_args()
     alphas = [float(a) for a in args.alphas.split(",")]
+    pinned = [int(k) for k in args.pinned_drafts.split(",") if k.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
     if args.model is not None:
         model_dir, flags = args.model, shlex.split(args.serve_flags)
@@ -170,16 +177,22 @@ def main() -> int:
     recording = {**bench_env, "FERRY_BENCH_RECORD_SEQUENCES": str(record)}
     off = serve_and_measure("spec_off", model_dir, flags, recording, prompts, args.out, args)
     runs = []
-    for alpha in alphas:
+    spec = ["--speculative-method", args.speculative_method, "--speculative-tokens", str(args.speculative_tokens)]
+    for alpha, k in [(alpha, k) for alpha in alphas for k in [0, *pinned]]:
         env = {**bench_env, "FERRY_BENCH_ORACLE_DRAFTS": str(record), "FERRY_BENCH_ORACLE_ALPHA": str(alpha)}
-        spec = ["--speculative-method", args.speculative_method, "--speculative-tokens", str(args.speculative_tokens)]
-        run = serve_and_measure(f"spec_oracle_{alpha:g}", model_dir, [*flags, *spec], env, prompts, args.out, args)
+        tag = f"spec_oracle_{alpha:g}" + (f"_pinned{k}" if k else "")
+        if k:
+            env["FERRY_BENCH_PINNED_DRAFTS"] = str(k)
+        run = serve_and_measure(tag, model_dir, [*flags, *spec], env, prompts, args.out, args)
         run["alpha"] = alpha
+        run["pinned_drafts"] = k or None  # None: the controller chose k
         run["vs_off"] = round(run["median_e2e_tok_s"] / off["median_e2e_tok_s"], 3)
+        run["vs_off_stream"] = round(run["median_stream_tok_s"] / off["median_stream_tok_s"], 3)
         run["same_text_as_off"] = run.pop("texts") == off["texts"]
         runs.append(run)
         print(
-            f"[{args.workload}] oracle alpha {alpha:g}: {run['median_e2e_tok_s']} tok/s = {run['vs_off']}x off "
+            f"[{args.workload}] oracle alpha {alpha:g}{f' pinned k {k}' if k else ''}: {run['median_e2e_tok_s']} "
+            f"tok/s = {run['vs_off']}x off (between chunks {run['vs_off_stream']}x) "
             f"({off['median_e2e_tok_s']} tok/s); acceptance {run['acceptance']}, mean k {run['mean_k']}, "
             f"same text {run['same_text_as_off']}; step {run['decode_step_ms']} ms, chain position "
             f"{run['chain_position_ms']} ms, verify step {run['verify_step_ms']} ms; {run['steps_ahead']:g} of "

@@ -46,8 +46,9 @@
 #   PART=oracle  speculative decoding with an oracle draft at set acceptance rates (bench/speculation_oracle.py): each of
 #                ORACLE_WORKLOADS (default hybrid8_resident_mtp) served with speculation off and at each of ORACLE_ALPHAS
 #                (default 0,0.8) with ORACLE_METHOD (default mtp: the MTP layer runs for real); a boot (~45 s) and
-#                its decodes per run, <workload>/spec_oracle_<workload>.json; ORACLE_WORKLOAD_S bounds a workload
-#                (default 90 s a run and 60)                                                            ~1.5 min a run
+#                its decodes per run, <workload>/spec_oracle_<workload>.json; ORACLE_PINNED=k[,k...] adds a run
+#                an alpha with every drafting row given k (the bench's FERRY_BENCH_PINNED_DRAFTS); ORACLE_WORKLOAD_S
+#                bounds a workload (default 90 s a run and 60)                                          ~1.5 min a run
 #   PART=prof    the full-size 35B NVFP4's decode at 24 GiB profiled at 1 and 8 streams (bench/profile_decode.py),
 #                then one 2k-token prefill of each cut (bench/profile_prefill.py)                      ~5 min
 #
@@ -85,6 +86,9 @@ PROFCUT_FORMATS=${PROFCUT_FORMATS:-gguf-q4_k_m nvfp4}
 TTFT_CUTS=${TTFT_CUTS:-12layer hybrid8} TTFT_HOLDS=${TTFT_HOLDS:-default 0} TTFT_BACKENDS=${TTFT_BACKENDS:-default}
 SUITE_WORKLOADS=${SUITE_WORKLOADS:-hybrid8,hybrid8_nvfp4,12layer}
 n_variants() { local v=${1//[^,]/}; echo $(( ${#v} + 1 )); }
+# PART=oracle's runs a workload besides speculation off: each alpha with the controller and with each pinned k
+oracle_pinned=0; [ -n "${ORACLE_PINNED:-}" ] && oracle_pinned=$(n_variants "$ORACLE_PINNED")
+oracle_runs=$(( $(n_variants "${ORACLE_ALPHAS:-0,0.8}") * (1 + oracle_pinned) ))
 part_cost() {
   case "$1" in
     check) echo 420 ;;  # two test processes: ~410 s on a fresh machine, 200-220 s warm
@@ -94,7 +98,7 @@ part_cost() {
     peercuts) echo 560 ;;  # a cut's checkpoint, served by both engines (--budget-s 540)
     prof) echo 330 ;;
     profcut) echo $(( 90 * $(n_variants "${PROFCUT_FORMATS// /,}") )) ;;  # a cut written, a boot, 24 steps a format
-    oracle) echo $(( 90 * $(n_variants "${ORACLE_WORKLOADS:-hybrid8_resident_mtp}") * ($(n_variants "${ORACLE_ALPHAS:-0,0.8}") + 1) )) ;;
+    oracle) echo $(( 90 * $(n_variants "${ORACLE_WORKLOADS:-hybrid8_resident_mtp}") * (oracle_runs + 1) )) ;;
     prefillcmp) echo 200 ;;  # a cut written, two boots (~45 s each) and their profiled prefills  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps
     ttft) echo $(( 90 * $(n_variants "${TTFT_CUTS// /,}") * $(n_variants "${TTFT_HOLDS// /,}") * $(n_variants "${TTFT_BACKENDS// /,}") )) ;;  # a boot (~45 s) and its prompts each
     *) echo 240 ;;
@@ -255,8 +259,9 @@ PY
     build_host_kernel
     workloads=${ORACLE_WORKLOADS:-hybrid8_resident_mtp} alphas=${ORACLE_ALPHAS:-0,0.8}
     for w in ${workloads//,/ }; do  # each in its own folder (its serve logs are named by alpha alone)
-      timeout "${ORACLE_WORKLOAD_S:-$(( 90 * ($(n_variants "$alphas") + 1) + 60 ))}" python3 -m bench spec-oracle \
+      timeout "${ORACLE_WORKLOAD_S:-$(( 90 * (oracle_runs + 1) + 60 ))}" python3 -m bench spec-oracle \
         --workload "$w" --alphas "$alphas" --speculative-method "${ORACLE_METHOD:-mtp}" --out "$OUT/$w" \
+        --pinned-drafts "${ORACLE_PINNED:-}" \
         --ready-timeout 240 > "$OUT/spec_oracle_$w.log" 2>&1
       echo "spec-oracle $w rc=$?"; grep -h 'oracle alpha' "$OUT/spec_oracle_$w.log"
     done ;;

@@ -204,6 +204,7 @@ class BatchScheduler:
         speculative_method: str = "off",
         speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
         drafter: Callable[[Request, int], list[int] | None] | None = None,
+        pinned_drafts: int = 0,
     ):
         """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole);
         `prefill_coalesce_s`: how long new prompts may wait for more (arrival_hold_s; 0: never);
@@ -211,7 +212,8 @@ class BatchScheduler:
         `speculative_method`: "ngram" or "mtp" gives decoding rows up to `speculative_tokens` drafts to verify
         (--speculative-method, --speculative-tokens; the module docstring), "off" none; `drafter`: where a
         row's up to k drafts come from (None: prompt lookup, or with mtp the worker's MTP head, which runs
-        either way; the bench's oracle_drafter.py otherwise)."""
+        either way; the bench's oracle_drafter.py otherwise); `pinned_drafts`: the bench's fixed k (> 0: every
+        drafting row's, DraftLength.pinned)."""
         check_pool(pool)
         self.pool = pool
         self.hybrid = pool.linear_state_slots > 0
@@ -258,7 +260,7 @@ class BatchScheduler:
         self.drafter = drafter or (_mtp_drafts if self.mtp else _prompt_lookup)
         # mtp prices a draft by the MTP head's chain that makes it; ngram's drafts cost nothing to make
         chain = ChainPrices.of(pool) if self.mtp else None
-        self.draft_length = DraftLength(speculative_tokens, ExpertPrices.of(pool), chain)
+        self.draft_length = DraftLength(speculative_tokens, ExpertPrices.of(pool), chain, pinned=pinned_drafts)
         self.draft_rows = 0  # rows sent with drafts
         self.drafted_tokens = 0  # drafts sent in those rows
         self.accepted_drafts = 0  # of them, the ones the worker kept

@@ -39,8 +39,9 @@ for the answer of the one before.
 
 Measured where the worker measures: a decode graph's replay (StepOutput.decode_step_s, on CUDA) stands for S once
 seen, misses and all, an MTP chain's seconds a position (StepOutput.chain_position_s) for a chain position's priced
-cost, and a step that verified drafts (StepOutput.verify_step_s) over the replay for the eager step's, each
-an EWMA (STEP_COST_WEIGHT): the constants and the bytes are only where nothing is measured yet.
+cost, and a step that verified drafts (StepOutput.verify_step_s) over the replay for the eager step's, each the
+mean of the first measurements then an EWMA (STEP_COST_WEIGHT): the constants and the bytes are only where nothing
+is measured yet.
 No torch, no clock: the prices are the plan's (PoolReport, with mtp its chain's bytes), the constants below and the
 worker's measurements; the scheduler feeds the outcomes (`observe`), the worker's expert counts
 (`note_expert_lookups`) and the steps' device times (`note_step_costs`).
@@ -189,10 +190,12 @@ class DraftLength:
     decode_step_s: float | None = None  # a decode graph's replay, measured (note_step_costs); None: not yet
     chain_position_s: float | None = None  # an MTP chain position, measured (note_step_costs); None: not yet
     verify_step_s: float | None = None  # a step that verified drafts, measured (note_step_costs); None: not yet
+    pinned: int = 0  # > 0: the bench's fixed k (oracle_drafter.py's FERRY_BENCH_PINNED_DRAFTS): `best` gives it
     _requests: dict[int, _Acceptance] = field(default_factory=dict)
     # every request's verified rows, decayed as a request's are: where a new request's estimate starts (`_fresh`)
     _served: _Acceptance = field(default_factory=_Acceptance)
     _lookups: tuple[int, int] | None = None  # the worker's last (hits, misses), cumulative
+    _step_costs_seen: dict[str, int] = field(default_factory=dict)  # measurements of each step cost so far
     # metrics, since the scheduler adopted the worker: rows decided, drafts chosen over them, misses the drafts sent
     # were expected to add
     decisions: int = 0
@@ -230,6 +233,8 @@ class DraftLength:
         `step_tokens` tokens before its drafts (0 on a tie: drafting must win to be chosen); `eager_paid`: the
         most drafts a row before it in the step carries, or what the step's rows agreed to share (`shared_paid`),
         0 for none. > 0: the eager step is paid; with mtp, the chain positions up to it too."""
+        if self.pinned:
+            return min(self.pinned, self.max_drafts, limit)
         share = self.step_s(step_tokens) / max(rows, 1)
         best_k, best_rate = 0, 1.0 / share
         tokens = 1.0
@@ -395,13 +400,16 @@ class DraftLength:
     def note_step_costs(self, decode_step_s: float, chain_position_s: float, verify_step_s: float = 0.0) -> None:
         """A step's device seconds as the worker measured them (0: not measured): its decode graph's replay, its
         MTP chain's a position, its eager forward and verify (a step with drafts)."""
-        w = STEP_COST_WEIGHT
         for name, seconds in (
             ("decode_step_s", decode_step_s),
             ("chain_position_s", chain_position_s),
             ("verify_step_s", verify_step_s),
         ):
             if seconds > 0:
+                n = self._step_costs_seen[name] = self._step_costs_seen.get(name, 0) + 1
+                # the mean of the first ones, then the EWMA: a first measurement off the rest (a shape's first
+                # replay, a step behind a compilation) weighs 1/n, not 1 - STEP_COST_WEIGHT for the next dozen
+                w = max(STEP_COST_WEIGHT, 1.0 / n)
                 last = getattr(self, name)
                 setattr(self, name, seconds if last is None else (1 - w) * last + w * seconds)
 

@@ -9,7 +9,10 @@ request field: a served request cannot reach them):
 * FERRY_BENCH_ORACLE_DRAFTS=PATH (with --speculative-method ngram or mtp: with mtp the worker still drafts, its
   full cost paid, and the oracle's tokens replace its drafts): a request whose prompt PATH records, and whose
   output so far follows the recorded one, is drafted the recorded tokens after it, corrupted at rate
-  1 - FERRY_BENCH_ORACLE_ALPHA (default 1); any other request gets no drafts.
+  1 - FERRY_BENCH_ORACLE_ALPHA (default 1); any other request gets no drafts;
+* FERRY_BENCH_PINNED_DRAFTS=k (with --speculative-method ngram or mtp): every drafting row is given min(k,
+  --speculative-tokens) drafts, whatever the draft-length controller would choose: what a fixed k yields, beside
+  what the controller makes of the same acceptance.
 No torch."""
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import numpy as np
 
 from ferry.services.scheduler.request import Request
 from ferry.shared.errors import ConfigError
+from ferry.shared.speculation import MAX_SPECULATIVE_TOKENS
 
 BENCH_ENV = "FERRY_BENCH_ONLY"
 RECORD_ENV = "FERRY_BENCH_RECORD_SEQUENCES"
 ORACLE_ENV = "FERRY_BENCH_ORACLE_DRAFTS"
 ALPHA_ENV = "FERRY_BENCH_ORACLE_ALPHA"
+PINNED_ENV = "FERRY_BENCH_PINNED_DRAFTS"
 
 
 @dataclass(frozen=True)
@@ -37,12 +42,15 @@ class BenchDrafts:
     record_path: str | None = None
     oracle_path: str | None = None
     alpha: float = 1.0
+    pinned_drafts: int = 0  # > 0: every drafting row's k (draft_length.DraftLength.pinned)
 
 
 def bench_drafts_from_env(environ: Mapping[str, str], speculative_method: str) -> BenchDrafts:
     """The bench switches of `environ`, or ConfigError naming the variable (or flag) to change."""
     record, oracle, alpha = environ.get(RECORD_ENV), environ.get(ORACLE_ENV), environ.get(ALPHA_ENV)
-    named = [name for name, v in ((RECORD_ENV, record), (ORACLE_ENV, oracle), (ALPHA_ENV, alpha)) if v]
+    pinned = environ.get(PINNED_ENV)
+    switches = ((RECORD_ENV, record), (ORACLE_ENV, oracle), (ALPHA_ENV, alpha), (PINNED_ENV, pinned))
+    named = [name for name, v in switches if v]
     if not named:
         return BenchDrafts()
     if environ.get(BENCH_ENV) != "1":
@@ -65,7 +73,12 @@ def bench_drafts_from_env(environ: Mapping[str, str], speculative_method: str) -
             )
         if not Path(oracle).is_file():
             raise ConfigError(f"{ORACLE_ENV}={oracle!r}: no such file (record one with {RECORD_ENV})")
-    return BenchDrafts(record_path=record or None, oracle_path=oracle or None, alpha=rate)
+    drafts = int(pinned) if pinned and pinned.strip().isdigit() else -1
+    if pinned and not 1 <= drafts <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"{PINNED_ENV} must be a whole number from 1 to {MAX_SPECULATIVE_TOKENS}, got {pinned!r}")
+    if pinned and speculative_method == "off":
+        raise ConfigError(f"{PINNED_ENV} fixes the drafts a row carries: serve with --speculative-method ngram or mtp")
+    return BenchDrafts(record_path=record or None, oracle_path=oracle or None, alpha=rate, pinned_drafts=max(drafts, 0))
 
 
 def record_sequence(path: str, req: Request) -> None:

@@ -442,6 +442,7 @@ class SchedulerService:
                 speculative_method=self.cfg.speculative_method,
                 speculative_tokens=self.cfg.speculative_tokens,
                 drafter=self._oracle_drafter(pool),
+                pinned_drafts=self.cfg.bench_drafts.pinned_drafts,
             )
         except ValueError as exc:
             self.not_ready_reason = f"the worker's pool report is unusable: {exc}"

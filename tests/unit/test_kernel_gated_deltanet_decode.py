@@ -14,18 +14,15 @@ both give the same activations, which is what lets the states agree to ~1e-5 aft
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from interpreted_triton import run_interpreted
 
 from ferry.kernels.gated_deltanet_decode_reference import gated_deltanet_decode_reference
+from tests.unit.interpreted_triton import run_interpreted
 
-HERE = Path(__file__).resolve().parent
 STEPS, KERNEL, SLOTS = 3, 4, 8
 
 # (dtype, k_heads, v_heads, k_dim, v_dim, the rows' slots: 0 is the padding slot)
@@ -192,8 +189,9 @@ def runs():
     calls = [(("steps", *c), {}) for c in cases] + [(("layer", *layer_case), {})]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FERRY_TRITON_ON_CPU", "1")
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-        got = run_interpreted("test_kernel_gated_deltanet_decode", "child", calls)
+        # by its package path: the child, shared by the tests that set the same FERRY_* variables, has the root on
+        # its path, not this folder
+        got = run_interpreted("tests.unit.test_kernel_gated_deltanet_decode", "child", calls)
     want = [_steps(gated_deltanet_decode_reference, *c) for c in cases]
     want.append(_layer_step(*layer_case))  # this process takes the torch path (no interpreter here)
     return got, want

@@ -7,12 +7,13 @@ import pytest
 import zmq
 
 from ferry.services import serve_command
-from ferry.services.scheduler.batcher import Outcome
+from ferry.services.scheduler.batcher import BatchScheduler, Outcome
 from ferry.services.scheduler.config import SchedulerConfig, scheduler_config_from_args
 from ferry.services.scheduler.oracle_drafter import (
     ALPHA_ENV,
     BENCH_ENV,
     ORACLE_ENV,
+    PINNED_ENV,
     RECORD_ENV,
     BenchDrafts,
     OracleDrafter,
@@ -28,7 +29,7 @@ from tests.unit.test_cli_flags import parse
 from tests.unit.test_draft_length import pool
 from tests.unit.test_speculative_decoding import GREEDY, PROMPTS, boot, generate
 
-BENCH_VARS = (BENCH_ENV, RECORD_ENV, ORACLE_ENV, ALPHA_ENV)
+BENCH_VARS = (BENCH_ENV, RECORD_ENV, ORACLE_ENV, ALPHA_ENV, PINNED_ENV)
 
 
 def request(rid: int, tokens: list[int], prompt_len: int) -> Request:
@@ -77,14 +78,14 @@ def test_the_oracle_keeps_about_alpha_of_its_drafts():
     assert oracle(request(3, [9, 9, 100], 2), 4) == []
 
 
-@pytest.mark.parametrize("var", [RECORD_ENV, ORACLE_ENV, ALPHA_ENV])
+@pytest.mark.parametrize("var", [RECORD_ENV, ORACLE_ENV, ALPHA_ENV, PINNED_ENV])
 def test_the_bench_switches_are_refused_without_the_bench_env(monkeypatch, tmp_path, var):
     """Neither `ferry serve` nor `ferry scheduler` starts with a bench switch unless FERRY_BENCH_ONLY=1."""
     path = tmp_path / "s.jsonl"
     path.write_text("")
     for name in BENCH_VARS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(var, "0.5" if var == ALPHA_ENV else str(path))
+    monkeypatch.setenv(var, {ALPHA_ENV: "0.5", PINNED_ENV: "2"}.get(var, str(path)))
     flags = ("--speculative-method", "ngram")
     with pytest.raises(ConfigError, match=f"{var}.*{BENCH_ENV}=1"):
         scheduler_config_from_args(parse("scheduler", *flags))
@@ -111,6 +112,27 @@ def test_the_bench_switches_checked(tmp_path):
     path.write_text("not json\n")
     with pytest.raises(ConfigError, match=ORACLE_ENV):
         OracleDrafter.read(str(path))
+    assert bench_drafts_from_env({**bench, PINNED_ENV: "3"}, "mtp") == BenchDrafts(pinned_drafts=3)
+    for bad in ("0", "17", "two", "-1", "1.5"):
+        with pytest.raises(ConfigError, match=f"{PINNED_ENV} must be a whole number from 1 to 16"):
+            bench_drafts_from_env({**bench, PINNED_ENV: bad}, "mtp")
+    with pytest.raises(ConfigError, match=f"{PINNED_ENV}.*--speculative-method ngram or mtp"):
+        bench_drafts_from_env({**bench, PINNED_ENV: "2"}, "off")
+
+
+def test_pinned_drafts_give_every_drafting_row_k_whatever_the_prices():
+    """FERRY_BENCH_PINNED_DRAFTS reaches the controller through the scheduler: every row drafts min(k, K, what the
+    step leaves) at prices under which the controller alone drafts nothing."""
+    ctl = BatchScheduler(pool(vocab_size=100), speculative_method="ngram", speculative_tokens=4).draft_length
+    pinned = BatchScheduler(
+        pool(vocab_size=100), speculative_method="ngram", speculative_tokens=4, pinned_drafts=3
+    ).draft_length
+    for c in (ctl, pinned):
+        c.note_step_costs(1e-3, 0.0, 9e-3)  # a verify step 8 ms dearer than a replay: no k pays
+    assert ctl.best(0.8, rows=1, step_tokens=1, limit=4) == 0
+    assert pinned.best(0.8, rows=1, step_tokens=1, limit=4) == 3
+    assert pinned.best(0.0, rows=8, step_tokens=8, limit=2) == 2
+    assert pinned.choose(7, rows=1, step_tokens=1, limit=4) == 3
 
 
 def test_a_served_request_cannot_turn_the_oracle_on(monkeypatch):
