@@ -183,7 +183,12 @@ def main() -> int:
         tag = f"spec_oracle_{alpha:g}" + (f"_pinned{k}" if k else "")
         if k:
             env["FERRY_BENCH_PINNED_DRAFTS"] = str(k)
-        run = serve_and_measure(tag, model_dir, [*flags, *spec], env, prompts, args.out, args)
+        try:
+            run = serve_and_measure(tag, model_dir, [*flags, *spec], env, prompts, args.out, args)
+        except Exception as exc:  # a run that did not serve (or died serving) is recorded as such; the others count
+            runs.append({"alpha": alpha, "pinned_drafts": k or None, "error": str(exc), "log": f"serve_{tag}.log"})
+            print(f"[{args.workload}] oracle alpha {alpha:g}: did not serve ({exc}; serve_{tag}.log)", flush=True)
+            continue
         run["alpha"] = alpha
         run["pinned_drafts"] = k or None  # None: the controller chose k
         run["vs_off"] = round(run["median_e2e_tok_s"] / off["median_e2e_tok_s"], 3)
@@ -213,7 +218,7 @@ def main() -> int:
         "commit": commit(),
     }
     (args.out / f"spec_oracle_{args.workload}.json").write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    return 1 if any("error" in run for run in runs) else 0
 
 
 if __name__ == "__main__":

@@ -151,3 +151,49 @@ def test_a_decode_figure_is_its_median_repeat_and_one_slow_repeat_does_not_make_
     assert even["median_stream_tok_s"] == 20.0  # 10, 20, 30, 40: the lower middle repeat, not their mean
     with pytest.raises(ValueError, match="--repeats 0"):
         decode_run(once, 1, 0)
+
+
+def test_the_oracle_bench_keeps_the_runs_that_served_when_one_did_not(tmp_path, monkeypatch):
+    """bench/speculation_oracle.py: a run whose server stops before it is ready (or dies serving) is recorded with its
+    error and log, the runs beside it and speculation off keep their figures in the JSON, and the exit code says
+    one failed."""
+    import json
+    import sys
+
+    from bench import speculation_oracle
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    served = []
+
+    def fake_serve(tag, model_dir, flags, env, prompts, out, args):
+        served.append((tag, env.get("FERRY_BENCH_PINNED_DRAFTS")))
+        if tag == "spec_oracle_0.8":
+            raise RuntimeError("ferry serve exited with 1 before it was ready")
+        rate = {"spec_off": 100.0}.get(tag, 150.0)
+        return {
+            "serve": tag,
+            "median_e2e_tok_s": rate,
+            "median_stream_tok_s": rate,
+            "acceptance": None,
+            "mean_k": None,
+            "decode_step_ms": 1.0,
+            "chain_position_ms": 0.5,
+            "verify_step_ms": 2.0,
+            "steps": 10.0,
+            "steps_ahead": 9.0,
+            "texts": ["a"],
+        }
+
+    monkeypatch.setattr(speculation_oracle, "serve_and_measure", fake_serve)
+    monkeypatch.setattr(speculation_oracle, "commit", lambda: "test")
+    argv = ["spec-oracle", "--out", str(tmp_path / "out"), "--model", str(model), "--alphas", "0.8"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--pinned-drafts", "2"])
+    assert speculation_oracle.main() == 1
+    assert served == [("spec_off", None), ("spec_oracle_0.8", None), ("spec_oracle_0.8_pinned2", "2")]
+    result = json.loads((tmp_path / "out" / "spec_oracle_m.json").read_text())
+    assert result["off"]["median_e2e_tok_s"] == 100.0
+    failed, pinned = result["oracle"]
+    assert failed["error"].startswith("ferry serve exited") and failed["log"] == "serve_spec_oracle_0.8.log"
+    assert pinned["pinned_drafts"] == 2 and pinned["vs_off"] == 1.5 and pinned["same_text_as_off"]
