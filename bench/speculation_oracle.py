@@ -181,13 +181,17 @@ def main() -> int:
     for alpha, k in [(alpha, k) for alpha in alphas for k in [0, *pinned]]:
         env = {**bench_env, "FERRY_BENCH_ORACLE_DRAFTS": str(record), "FERRY_BENCH_ORACLE_ALPHA": str(alpha)}
         tag = f"spec_oracle_{alpha:g}" + (f"_pinned{k}" if k else "")
+        pinned_k = f" pinned k {k}" if k else ""
         if k:
             env["FERRY_BENCH_PINNED_DRAFTS"] = str(k)
         try:
             run = serve_and_measure(tag, model_dir, [*flags, *spec], env, prompts, args.out, args)
         except Exception as exc:  # a run that did not serve (or died serving) is recorded as such; the others count
             runs.append({"alpha": alpha, "pinned_drafts": k or None, "error": str(exc), "log": f"serve_{tag}.log"})
-            print(f"[{args.workload}] oracle alpha {alpha:g}: did not serve ({exc}; serve_{tag}.log)", flush=True)
+            print(
+                f"[{args.workload}] oracle alpha {alpha:g}{pinned_k}: did not serve ({exc}; serve_{tag}.log)",
+                flush=True,
+            )
             continue
         run["alpha"] = alpha
         run["pinned_drafts"] = k or None  # None: the controller chose k
@@ -196,7 +200,7 @@ def main() -> int:
         run["same_text_as_off"] = run.pop("texts") == off["texts"]
         runs.append(run)
         print(
-            f"[{args.workload}] oracle alpha {alpha:g}{f' pinned k {k}' if k else ''}: {run['median_e2e_tok_s']} "
+            f"[{args.workload}] oracle alpha {alpha:g}{pinned_k}: {run['median_e2e_tok_s']} "
             f"tok/s = {run['vs_off']}x off (between chunks {run['vs_off_stream']}x) "
             f"({off['median_e2e_tok_s']} tok/s); acceptance {run['acceptance']}, mean k {run['mean_k']}, "
             f"same text {run['same_text_as_off']}; step {run['decode_step_ms']} ms, chain position "
