@@ -149,8 +149,9 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
     # (StepBatch.mtp_drafts of them; -1 past those). None: no row asked for any.
     mtp_drafts: np.ndarray | None = None
     # what the step cost on the device, for speculative decoding's draft-length controller (0: not measured, e.g.
-    # off CUDA): a decode graph's replay, seconds; the MTP chain's seconds a chain position; an eager step that
-    # verified drafts, its forward and verify, seconds
+    # off CUDA): a decode graph's replay, seconds; the MTP chain's seconds a chain position; a step that verified
+    # drafts, its forward and verify, seconds (a verify graph's replay where the worker has them: 0 for a step that
+    # ran eagerly beside them)
     decode_step_s: float = 0.0
     chain_position_s: float = 0.0
     verify_step_s: float = 0.0

@@ -39,9 +39,9 @@ for the answer of the one before.
 
 Measured where the worker measures: a decode graph's replay (StepOutput.decode_step_s, on CUDA) stands for S once
 seen, misses and all, an MTP chain's seconds a position (StepOutput.chain_position_s) for a chain position's priced
-cost, and a step that verified drafts (StepOutput.verify_step_s) over the replay for the eager step's, each the
-mean of the first measurements then an EWMA (STEP_COST_WEIGHT): the constants and the bytes are only where nothing
-is measured yet.
+cost, and a step that verified drafts (StepOutput.verify_step_s: a verify graph's where the worker has them, its
+eager steps beside them not timed) over the replay for the eager step's, each the mean of the first measurements
+then an EWMA (STEP_COST_WEIGHT): the constants and the bytes are only where nothing is measured yet.
 No torch, no clock: the prices are the plan's (PoolReport, with mtp its chain's bytes), the constants below and the
 worker's measurements; the scheduler feeds the outcomes (`observe`), the worker's expert counts
 (`note_expert_lookups`) and the steps' device times (`note_step_costs`).

@@ -139,6 +139,19 @@ class DecodeGraphs:
                 self.graphs[rows] = g
         torch.cuda.synchronize(self.device)
         self._capture_speculation(pool, warmups)
+        self._upload()
+
+    def _upload(self) -> None:
+        """Replay every graph once, on the padding rows it was captured with: a graph's first replay uploads it to
+        the device and takes several times a warm one, which the first steps that hit it (and the draft-length
+        controller's prices, measured from them) would otherwise pay."""
+        replays = [g.graph for g in self.graphs.values()]
+        replays += [g.graph for g in self.verify.graphs.values()] if self.verify is not None else []
+        replays += [c.graph for c in self.chains.chains.values()] if self.chains is not None else []
+        with torch.inference_mode():
+            for graph in replays:
+                graph.replay()
+        torch.cuda.synchronize(self.device)
 
     def _capture_speculation(self, pool, warmups: int) -> None:
         with torch.inference_mode():

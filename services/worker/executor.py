@@ -139,8 +139,11 @@ class StepExecutor:
             self._hold_states(batch)
             in_graph = None  # the graph's own sampling serves the step: (inverse temperatures, noise rows)
             replay = None  # a decode graph's replay's timing events (StepOutput.decode_step_s)
-            # a step with drafts: its forward and verify timed (verify_step_s)
-            verify = [_timing_event(self.device)] if drafting else None
+            # a step with drafts: its forward and verify timed (verify_step_s); not one that ran eagerly beside
+            # verify graphs (rows of different lengths, a hybrid's long first row): the steps the controller
+            # prices next replay a graph, and an eager one costs several times that
+            priced = verify_shape is not None or verify_graphs is None or not verify_graphs.graphs
+            verify = [_timing_event(self.device)] if drafting and priced else None
             if bucket is not None:
                 in_graph = self.sampler.graph_sampling(ids, self.graphs.noise)
                 logits = self.graphs.run(batch, bucket, feed_src, in_graph)
@@ -162,7 +165,8 @@ class StepExecutor:
             if drafting:
                 tokens, logprobs, accepted, top = self._choose_with_drafts(batch, ids, logits)
                 self._put_back_linear_states(batch, accepted)
-                verify.append(_timing_event(self.device))
+                if verify is not None:
+                    verify.append(_timing_event(self.device))
                 if self.graphs is not None:
                     self.graphs.keep_samples(tokens)
                 if self.store is not None:

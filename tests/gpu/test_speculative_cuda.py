@@ -118,12 +118,23 @@ def test_single_stream_verify_steps_replay_their_graphs_and_keep_the_tokens(
         reference[tuple(prompt)] = off[0]
     if method == "ngram":
         monkeypatch.setattr(batcher_module, "propose_ngram", knowing_drafter(reference, executor.spec.vocab_size))
+    timed = []  # the verify steps' verify_step_s: timed where a graph replayed them, 0 where they ran eagerly
+    finish = executor.finish
+
+    def finish_timed(launched):
+        out = finish(launched)
+        if out.accepted_drafts is not None:
+            timed.append(out.verify_step_s)
+        return out
+
+    monkeypatch.setattr(executor, "finish", finish_timed)
     drafted = 0
     for prompt, n in zip(PROMPTS, MAX_TOKENS):
         (on,), sched = generate(executor, plan, [(prompt, SamplingParams(temperature=0), n)], method, k=4)
         on_tokens.append(on[0])
         drafted += sched.drafted_tokens
     assert drafted > 0 and replays["verify"] > 0 and (replays["chain"] > 0) == (method == "mtp")
+    assert sum(s > 0 for s in timed) == replays["verify"] and all(s >= 0 for s in timed)
     for want, got, margin in zip(off_tokens, on_tokens, margins):
         first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
         if first is not None:
