@@ -5,6 +5,9 @@ A row's logits arrive with penalties, logit_bias, the grammar's mask and (for ro
 top-k / top-p / min-p's -inf already applied. Then, with s = logits * inv_temperature:
   token   = argmax(s - log q)    (q the row's Exp(1) noise; greedy rows have none: argmax s)
   logprob = s[token] - logsumexp(s)
+A NaN in s (a NaN logit, or an infinite one times a 0 inverse temperature) counts as -inf: never drawn, and a row
+with nothing else draws token 0, so the token is always an id of the vocabulary, which the next step (or the MTP head
+in a decode graph, on padding rows too) embeds: an id past it would stop the device on an index assert.
 The first is the exponential race argmax(p / q) with p = softmax(s), in log space: p / q and
 s - log q order the tokens alike, so no softmax is made. Done in torch that is a softmax, a
 division, an argmax, a log-softmax and gathers, each a kernel over S x V floats; over a 248k
@@ -38,6 +41,7 @@ def _row_blocks_kernel(
     ok = offs < V
     inv_t = tl.load(inv_t_ptr + row)
     s = tl.load(logits_ptr + row * stride_l + offs, mask=ok, other=float("-inf")) * inv_t
+    s = tl.where(s == s, s, float("-inf"))  # NaN: never drawn (the module docstring)
     m = tl.max(s, axis=0)
     # a block with every entry -inf (masked away) contributes nothing; keep its sum 0, not NaN
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -85,6 +89,7 @@ def sample_rows_reference(
     noise_rows int64 [S]: the row of `noise` each row races with, -1 for greedy. Returns (token ids
     int64 [S], their log-probabilities float32 [S])."""
     s = logits * inv_temperature[:, None]
+    s = torch.where(s.isnan(), float("-inf"), s)  # never drawn (the module docstring)
     race = s
     if noise is not None:
         drawn = noise_rows >= 0

@@ -54,3 +54,30 @@ def test_twin_is_the_exponential_race_and_ties_go_to_the_lowest_id():
         "ferry.kernels.sample_rows", "sample_rows_triton", [((tied, torch.ones(1), None, torch.tensor([-1])), {})]
     )[0]
     assert int(tok) == 7 == int(sample_rows_reference(tied, torch.ones(1), None, torch.tensor([-1]))[0])
+
+
+def test_a_nan_is_never_drawn_and_a_row_of_nothing_else_draws_token_0():
+    """A row of NaN logits (a broken model's, or a decode graph's padding row whose state overflowed), an infinite
+    logit times a 0 inverse temperature, and a NaN among finite logits: the token is an id of the vocabulary, the NaN
+    never the one drawn, the kernels as their twin. An id past the vocabulary made the MTP head's embedding of a
+    padding row's sample stop the device on an index assert."""
+    vocab = 2 * BLOCK_V + 17
+    g = torch.Generator().manual_seed(6)
+    some_nan = torch.randn(2, vocab, generator=g)
+    some_nan[:, [3, BLOCK_V + 1]] = float("nan")
+    some_nan[:, BLOCK_V + 1] = float("nan")
+    noise = torch.empty(1, vocab).exponential_(generator=g)
+    cases = [
+        (torch.full((1, vocab), float("nan")), torch.ones(1), None, torch.tensor([-1])),
+        (torch.full((2, vocab), float("inf")), torch.zeros(2), noise, torch.tensor([-1, 0])),
+        (some_nan, torch.ones(2), noise, torch.tensor([-1, 0])),
+    ]
+    results = run_interpreted("ferry.kernels.sample_rows", "sample_rows_triton", [(case, {}) for case in cases])
+    for case, (tokens, _) in zip(cases, results):
+        ref_tokens, _ = sample_rows_reference(*case)
+        assert torch.equal(tokens, ref_tokens)
+        assert ((tokens >= 0) & (tokens < vocab)).all()
+    assert results[0][0].tolist() == [0] and results[1][0].tolist() == [0, 0]
+    drawn = results[2][0]
+    assert not some_nan.gather(1, drawn[:, None]).isnan().any()
+    assert int(drawn[0]) == int(torch.where(some_nan[0].isnan(), float("-inf"), some_nan[0]).argmax())
