@@ -27,6 +27,23 @@ def test_kernels_equal_the_twin_at_full_vocabulary(cuda_device):
     assert int(tokens[3]) < 1000
 
 
+def test_a_row_of_nan_draws_an_id_of_the_vocabulary(cuda_device):
+    """Compiled, as under the interpreter (tests/unit/test_kernel_sample_rows.py): a NaN row (a padding row whose
+    state overflowed) and an infinite row at a 0 inverse temperature draw token 0, a NaN among finite logits is
+    never drawn; the MTP head embeds these samples in the decode graph, where an id past the vocabulary stops the
+    device."""
+    logits = torch.randn(3, VOCAB, device=cuda_device)
+    logits[0] = float("nan")
+    logits[1] = float("inf")
+    logits[2, [5, 200_000]] = float("nan")
+    inv_t = torch.tensor([1.0, 0.0, 1.0], device=cuda_device)
+    noise_rows = torch.full((3,), -1, dtype=torch.int64, device=cuda_device)
+    tokens, _ = sample_rows(logits, inv_t, None, noise_rows)
+    assert torch.equal(tokens, sample_rows_reference(logits, inv_t, None, noise_rows)[0])
+    assert tokens[:2].tolist() == [0, 0] and 0 <= int(tokens[2]) < VOCAB
+    assert not bool(logits[2, tokens[2]].isnan())
+
+
 def test_seeded_rows_do_not_depend_on_their_batch(cuda_device):
     sampler = Sampler(VOCAB, cuda_device, seed=0)
     params = {
