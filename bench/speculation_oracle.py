@@ -150,6 +150,12 @@ def main() -> int:
         help="also run each alpha with every drafting row given this k (comma-separated; FERRY_BENCH_PINNED_DRAFTS): "
         "what a fixed k yields beside the controller's choice",
     )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="mtp: the speculative runs' --speculative-draft-vocab (the chain drafts among the first N ids; 0: all)",
+    )
     p.add_argument("--prompts", type=int, default=3, help="distinct token-id prompts")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -178,6 +184,7 @@ def main() -> int:
     off = serve_and_measure("spec_off", model_dir, flags, recording, prompts, args.out, args)
     runs = []
     spec = ["--speculative-method", args.speculative_method, "--speculative-tokens", str(args.speculative_tokens)]
+    spec += ["--speculative-draft-vocab", str(args.draft_vocab)] if args.draft_vocab else []
     for alpha, k in [(alpha, k) for alpha in alphas for k in [0, *pinned]]:
         env = {**bench_env, "FERRY_BENCH_ORACLE_DRAFTS": str(record), "FERRY_BENCH_ORACLE_ALPHA": str(alpha)}
         tag = f"spec_oracle_{alpha:g}" + (f"_pinned{k}" if k else "")
@@ -214,6 +221,7 @@ def main() -> int:
         "workload": args.workload,
         "speculative_tokens": args.speculative_tokens,
         "speculative_method": args.speculative_method,
+        "draft_vocab": args.draft_vocab or None,
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,

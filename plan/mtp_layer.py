@@ -178,12 +178,12 @@ class MtpChainBytes:
     whatever the rows chaining in it (the target's LM head; the MTP layer's dense weights), and the routed experts
     one row's token reads in the layer's MoE (top-k experts: a row of its own reads its own)."""
 
-    lm_head: int  # vocab x hidden: each chain step's logits for its draft tokens
+    lm_head: int  # vocab (or --speculative-draft-vocab) x hidden: each chain step's logits for its draft tokens
     layer: int  # the first MTP layer's weights but its routed experts (fc, norms, attention, router, shared expert)
     row_experts: int  # top-k routed experts of that layer: what one more row's token reads
 
     @staticmethod
-    def of(spec: ModelSpec, dtype: str) -> MtpChainBytes:
+    def of(spec: ModelSpec, dtype: str, draft_vocab: int = 0) -> MtpChainBytes:
         itemsize = DTYPE_BYTES[dtype]
         layer = {
             name: shape
@@ -192,7 +192,7 @@ class MtpChainBytes:
         }
         h, i = spec.hidden_size, spec.moe_intermediate_size
         return MtpChainBytes(
-            lm_head=spec.vocab_size * h * itemsize,
+            lm_head=(min(draft_vocab, spec.vocab_size) if draft_vocab else spec.vocab_size) * h * itemsize,
             layer=sum(_numel(s) for s in layer.values()) * itemsize,
             row_experts=min(spec.num_experts_per_tok, spec.num_experts) * 3 * i * h * itemsize,
         )

@@ -36,6 +36,14 @@ MAX_SPECULATIVE_TOKENS = 16  # a verify row is a short prefill chunk; past this 
 SPECULATIVE_TOKENS_HELP = (
     f"drafts a decoding row carries at most (default {DEFAULT_SPECULATIVE_TOKENS}, at most {MAX_SPECULATIVE_TOKENS})"
 )
+SPECULATIVE_DRAFT_VOCAB_HELP = (
+    "with --speculative-method mtp: the MTP head drafts among the first N token ids only, reading N rows of the LM "
+    "head a chain position instead of the whole vocabulary (a 248k-token head is most of a position's bytes); "
+    "byte-level BPE and SentencePiece vocabularies number their tokens roughly by frequency, so the first 32,768 "
+    "hold most of what is generated (FR-Spec's draft vocabulary, SGLang's --speculative-token-map). A draft the "
+    "target would not choose is only refused: the output is the same; a token past N is never drafted. Default 0: "
+    "the whole vocabulary"
+)
 # n-gram sizes prompt lookup matches, longest first (vLLM's prompt_lookup_min/max): one token alone matches
 # too often to be worth a verify row's extra positions, past four a match is rarely longer.
 NGRAM_MIN = 2
@@ -60,6 +68,25 @@ def computed_after_verify(context: int, query_len: int, drafts: int, accepted: i
     if hybrid and accepted < drafts:
         return context
     return context + query_len - drafts + accepted
+
+
+def draft_vocab_problems(draft_vocab: int, method: str, vocab_size: int) -> list[str]:
+    """What is wrong with --speculative-draft-vocab N for this method and vocabulary, each message naming the flag."""
+    if not draft_vocab:
+        return []
+    if draft_vocab < 0:
+        return [
+            f"--speculative-draft-vocab must be 0 (the whole vocabulary) or a number of token ids, got {draft_vocab}"
+        ]
+    problems = []
+    if method != "mtp":
+        problems.append("--speculative-draft-vocab sizes the MTP head's drafts: give --speculative-method mtp")
+    if vocab_size and draft_vocab > vocab_size:
+        problems.append(
+            f"--speculative-draft-vocab {draft_vocab} is more than the model's {vocab_size} token ids: give at most "
+            f"{vocab_size}, or 0 for all of them"
+        )
+    return problems
 
 
 def speculation_problems(method: str, tokens: int) -> list[str]:

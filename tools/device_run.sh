@@ -47,7 +47,8 @@
 #                ORACLE_WORKLOADS (default hybrid8_resident_mtp) served with speculation off and at each of ORACLE_ALPHAS
 #                (default 0,0.8) with ORACLE_METHOD (default mtp: the MTP layer runs for real); a boot (~45 s) and
 #                its decodes per run, <workload>/spec_oracle_<workload>.json; ORACLE_PINNED=k[,k...] adds a run
-#                an alpha with every drafting row given k (the bench's FERRY_BENCH_PINNED_DRAFTS); ORACLE_WORKLOAD_S
+#                an alpha with every drafting row given k (the bench's FERRY_BENCH_PINNED_DRAFTS); ORACLE_DRAFT_VOCAB=N
+#                serves the speculative runs with --speculative-draft-vocab N; ORACLE_WORKLOAD_S
 #                bounds a workload (default 90 s a run and 60)                                          ~1.5 min a run
 #   PART=prof    the full-size 35B NVFP4's decode at 24 GiB profiled at 1 and 8 streams (bench/profile_decode.py),
 #                then one 2k-token prefill of each cut (bench/profile_prefill.py)                      ~5 min
@@ -261,7 +262,7 @@ PY
     for w in ${workloads//,/ }; do  # each in its own folder (its serve logs are named by alpha alone)
       timeout "${ORACLE_WORKLOAD_S:-$(( 90 * (oracle_runs + 1) + 60 ))}" python3 -m bench spec-oracle \
         --workload "$w" --alphas "$alphas" --speculative-method "${ORACLE_METHOD:-mtp}" --out "$OUT/$w" \
-        --pinned-drafts "${ORACLE_PINNED:-}" \
+        --pinned-drafts "${ORACLE_PINNED:-}" --draft-vocab "${ORACLE_DRAFT_VOCAB:-0}" \
         --ready-timeout 240 > "$OUT/spec_oracle_$w.log" 2>&1
       echo "spec-oracle $w rc=$?"; grep -h 'oracle alpha' "$OUT/spec_oracle_$w.log"
     done ;;

@@ -53,7 +53,7 @@ from ferry.services.worker.workspace_profile import (
 )
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.errors import ConfigError, FerryError
-from ferry.shared.speculation import DEFAULT_SPECULATIVE_TOKENS, speculation_problems
+from ferry.shared.speculation import DEFAULT_SPECULATIVE_TOKENS, draft_vocab_problems, speculation_problems
 from ferry.shared.units import MiB, format_bytes
 
 log = structlog.get_logger("worker")
@@ -180,6 +180,11 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     files = open_model(cfg.model, cfg.load_format, cfg.revision)
     # --speculative-method mtp: the MTP layers' K/V in the plan and the pools (refused for a model without them)
     files = dataclasses.replace(files, spec=spec_for_method(files.spec, cfg.plan.speculative_method))
+    problems = draft_vocab_problems(
+        cfg.speculative_draft_vocab, cfg.plan.speculative_method or "off", files.spec.vocab_size
+    )
+    if problems:
+        raise ConfigError("; ".join(problems))
     slots = expert_formats.format_of(files.spec)
     if device.type == "cuda" and not slots.reads_on_cuda(files.spec):  # refused before the device is touched
         raise ConfigError(
@@ -272,6 +277,8 @@ def _load_and_plan(
     model = build_model(spec, dtype, device, experts)
     # loaded before the weights are measured: its bytes are in them (plan/mtp_layer.py prices the same for `ferry plan`)
     mtp_head = _mtp_head(files, model, dtype, device) if spec.mtp_kv_layers else None
+    if mtp_head is not None:
+        mtp_head.draft_vocab = cfg.speculative_draft_vocab
     # a step's workspace and decode graphs' bytes, profiled once each: the chunk chooser asks for a step again
     workspace_by_step: dict[tuple[int, int, int], int] = {}
     graph_bytes_by_step: dict[tuple[int, int, int], int | None] = {}

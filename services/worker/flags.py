@@ -15,6 +15,7 @@ from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_paralle
 from ferry.plan.planner import PlanRequest
 from ferry.plan.planner_flags import BYTE_FIELDS, PLANNER_FIELDS, add_planner_flags, plan_request_from_args
 from ferry.shared.model_flag import add_model_argument
+from ferry.shared.speculation import SPECULATIVE_DRAFT_VOCAB_HELP
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 EXPERT_POLICIES = ("lfu", "lru")  # the names offload/stores/build.py's POLICIES maps to classes
@@ -79,6 +80,7 @@ class WorkerBootConfig:
     long_prefill_ring_chunk: int | None = (
         None  # the same in a long-context prefill step (it lends slots); None: prefill_ring_chunk's
     )
+    speculative_draft_vocab: int = 0  # the MTP head drafts among the first N token ids; 0: all of them
     plan: PlanRequest = PlanRequest()
     expert_parallel_size: int = 1  # ranks the routed experts are partitioned over (services/worker/expert_ranks.py)
     expert_parallel_rank: int = 0  # this process's rank: 0 talks to the scheduler, the others follow it
@@ -158,6 +160,13 @@ def add_worker_flags(
         "of 1,024+ tokens reaching 32k keys, with room for many bays); default: "
         "--prefill-ring-chunk's",
     )
+    parser.add_argument(
+        "--speculative-draft-vocab",
+        type=int,
+        default=0,
+        metavar="N",
+        help=SPECULATIVE_DRAFT_VOCAB_HELP,
+    )
     add_planner_flags(parser)
     add_expert_parallel_flags(parser)
 
@@ -175,6 +184,7 @@ def boot_config_from_args(args: argparse.Namespace, model: str | None = None) ->
         expert_copy_engine_tokens=args.expert_copy_engine_tokens,
         prefill_ring_chunk=args.prefill_ring_chunk,
         long_prefill_ring_chunk=args.long_prefill_ring_chunk,
+        speculative_draft_vocab=args.speculative_draft_vocab,
         plan=plan_request_from_args(args),
         expert_parallel_size=expert_parallel_size(args),
     )
@@ -204,6 +214,8 @@ def worker_flag_args(cfg: WorkerBootConfig) -> list[str]:
         out += ["--prefill-ring-chunk", str(cfg.prefill_ring_chunk)]
     if cfg.long_prefill_ring_chunk is not None:
         out += ["--long-prefill-ring-chunk", str(cfg.long_prefill_ring_chunk)]
+    if cfg.speculative_draft_vocab:
+        out += ["--speculative-draft-vocab", str(cfg.speculative_draft_vocab)]
     if cfg.expert_parallel_size > 1:
         out += ["--expert-parallel-size", str(cfg.expert_parallel_size)]
     for name in PLANNER_FIELDS:

@@ -1,7 +1,8 @@
 """The MTP head's draft chain replayed as CUDA graphs (--speculative-method mtp): one graph per (rows, positions),
 captured at boot beside the decode graphs, into their pool.
 
-A chain (mtp_drafts.py) passes the head's whole layer, then the target's LM head and an argmax, once a position, each
+A chain (mtp_drafts.py) passes the head's whole layer, then the target's LM head (its first --speculative-draft-vocab
+rows where given) and an argmax, once a position, each
 pass fed by the one before: eagerly, each position cost its launches and a batch built on the host, several times the
 device's work. Here a graph holds all k positions of up to `rows` chaining rows: its inputs are each row's start (the
 head's input hidden state and token at its last slot L), L, the drafts it asks and its page table, and everything a
@@ -126,7 +127,7 @@ class ChainGraphs:
             batch = self._position_batch(c, position, slot, lens)
             cache = MtpCache(self.pools.kv, self.kv_layer, batch)
             hidden = self.head(hidden, self.model.embed(token), position + 1, cache=cache)
-            token = self.model.logits(hidden).argmax(dim=-1)
+            token = self.model.draft_tokens(hidden, self.head.draft_vocab)
             c.drafts[:, j].copy_(torch.where(live, token, torch.full_like(token, -1)))
 
     def _position_batch(self, c: _Chain, position, slot, context_lens: list[int]) -> ForwardBatch:

@@ -141,7 +141,7 @@ class MtpDrafter:
             step = _slots_batch(batch, row.tolist(), [1] * len(row), (last + n).tolist())
             mb = ForwardBatch.from_step(step, self.page_size, self.device)
             g = self.head(g, self.model.embed(token), mb.positions + 1, cache=self._cache(mb))
-            token = self.model.logits(g).argmax(dim=-1)
+            token = self.model.draft_tokens(g, self.head.draft_vocab)
             drafts[to_device(at.tolist(), torch.int64, self.device), n] = token
         end = None
         if timed is not None:

@@ -68,12 +68,14 @@ class WorkerConfig:
     wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
 
 
-def pool_report_from_plan(plan: Any, vocab_size: int = 0, spec: Any = None) -> PoolReport:
+def pool_report_from_plan(plan: Any, vocab_size: int = 0, spec: Any = None, draft_vocab: int = 0) -> PoolReport:
     """The scheduler's view of the memory plan (ferry.plan.planner.Plan); `spec` (the model's ModelSpec, None
-    where unknown) adds its MoE layers and top-k, which the draft-length controller prices misses with."""
+    where unknown) adds its MoE layers and top-k, which the draft-length controller prices misses with;
+    `draft_vocab`: --speculative-draft-vocab, the LM head rows an MTP chain position reads (0: all)."""
     moe = spec is not None and getattr(spec, "num_experts", 0) > 0
     # the drafting spec (plan/mtp_layer.py's drafting_spec) keeps the MTP layer's K/V: the worker chains MTP drafts
-    chain = MtpChainBytes.of(spec, plan.dtype) if spec is not None and getattr(spec, "mtp_kv_layers", 0) else None
+    mtp = spec is not None and getattr(spec, "mtp_kv_layers", 0)
+    chain = MtpChainBytes.of(spec, plan.dtype, draft_vocab) if mtp else None
     return PoolReport(
         kv_pages=plan.kv.pages,
         page_size=plan.kv.page_size,
@@ -221,8 +223,12 @@ class WorkerService:
         vocab = getattr(self.executor, "vocab_size", 0)
         # before the pool is reported (no step can arrive yet): no full collection walks the booted model again
         freeze_startup_heap()
+        head = getattr(getattr(self.executor, "mtp", None), "head", None)  # a test double's boot may have none
         self.heartbeat.pool = pool_report_from_plan(
-            self.plan, vocab if isinstance(vocab, int) else 0, getattr(self.executor, "spec", None)
+            self.plan,
+            vocab if isinstance(vocab, int) else 0,
+            getattr(self.executor, "spec", None),
+            getattr(head, "draft_vocab", 0),
         )
         # from here a Triton compile is one the warm-up missed, inside a request: logged and counted
         if self.compile_watch.install():

@@ -120,14 +120,16 @@ def _target_hidden(executor, plan, tokens: list[int]) -> torch.Tensor:
         return executor.model.hidden_states(ForwardBatch.from_step(step, ps, "cpu"), executor.pools)
 
 
-def _reference_drafts(head, model, hidden: torch.Tensor, tokens: list[int], k: int) -> list[int]:
+def _reference_drafts(head, model, hidden: torch.Tensor, tokens: list[int], k: int, vocab: int = 0) -> list[int]:
     """The head's k chained greedy drafts after `tokens`, over the whole sequence and without a cache: position t's
-    input is h_{t-1} and the embedding of token t, a draft's input the head's own output before it and that draft."""
+    input is h_{t-1} and the embedding of token t, a draft's input the head's own output before it and that draft;
+    with `vocab`, the argmax of the full logits' first `vocab` ids (--speculative-draft-vocab)."""
     h, ids, drafts = hidden[: len(tokens) - 1], list(tokens[1:]), []
     with torch.inference_mode():
         for _ in range(k):
             out = head(h, model.embed(torch.tensor(ids)), torch.arange(1, len(ids) + 1))
-            drafts.append(int(model.logits(out[-1:]).argmax()))
+            logits = model.logits(out[-1:])
+            drafts.append(int((logits[:, :vocab] if vocab else logits).argmax()))
             h, ids = torch.cat([h, out[-1:]]), ids + [drafts[-1]]
     return drafts
 
@@ -283,13 +285,54 @@ def _chained(executor, plan, requests, drafter, monkeypatch):
     return on, sched, {tuple(t): d for t, d in seen}
 
 
-def _assert_the_heads_drafts(executor, plan, mtp_model, unique: dict) -> None:
-    """Each recorded chain is what the head drafts from the whole sequence, without a cache."""
+def _assert_the_heads_drafts(executor, plan, mtp_model, unique: dict, vocab: int = 0) -> None:
+    """Each recorded chain is what the head drafts from the whole sequence, without a cache (among the first `vocab`
+    ids where given)."""
     scratch, _ = boot(mtp_model)  # its pools hold the whole-sequence forwards
     head = executor.mtp.head
     for tokens, drafts in unique.items():
         hidden = _target_hidden(scratch, plan, list(tokens))
-        assert list(drafts) == _reference_drafts(head, scratch.model, hidden, list(tokens), len(drafts)), tokens
+        want = _reference_drafts(head, scratch.model, hidden, list(tokens), len(drafts), vocab)
+        assert list(drafts) == want, tokens
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_draft_vocabulary_drafts_the_heads_argmax_among_its_first_ids(mtp_model, monkeypatch, graphed):
+    """--speculative-draft-vocab N: every chained draft is the argmax of the head's full logits over the first N
+    ids, eagerly and in the chain graphs (their bodies, off CUDA), so the chain reads N rows of the LM head; the
+    output is still speculation off's, and the pool report prices N rows."""
+    executor, plan = boot(mtp_model, "--speculative-method", "mtp")
+    vocab = executor.spec.vocab_size // 8  # a random head's argmax lies past it 7 times in 8
+    executor, plan = boot(mtp_model, "--speculative-method", "mtp", "--speculative-draft-vocab", str(vocab))
+    assert executor.mtp.head.draft_vocab == vocab
+    if graphed:
+        executor.graphs = cpu_decode_graphs(executor, plan, speculative_tokens=K)
+    base, _ = generate(executor, plan, greedy_requests())
+    reference = {tuple(p): toks for p, (toks, _) in zip(PROMPTS, base)}
+    knowing = knowing_drafter(reference, executor.spec.vocab_size)
+    on, sched, unique = _chained(executor, plan, greedy_requests(), lambda req, k: knowing(req.tokens, k), monkeypatch)
+    assert on == base and sched.drafted_tokens > 0
+    assert len(unique) >= 10 and all(0 <= t < vocab for d in unique.values() for t in d)
+    _assert_the_heads_drafts(executor, plan, mtp_model, unique, vocab)
+    spec, itemsize = executor.spec, DTYPE_BYTES[plan.dtype]
+    pool = pool_report_from_plan(plan, spec.vocab_size, spec, vocab)
+    assert (
+        pool.mtp_lm_head_bytes
+        == vocab * spec.hidden_size * itemsize
+        == MtpChainBytes.of(spec, plan.dtype, vocab).lm_head
+    )
+
+
+def test_a_draft_vocabulary_is_refused_where_it_cannot_apply(mtp_model, tiny_models):
+    """--speculative-draft-vocab is refused at boot, naming the flag: without mtp, past the model's vocabulary, or
+    negative."""
+    vocab = load_model_config(mtp_model).vocab_size
+    with pytest.raises(ConfigError, match="--speculative-draft-vocab sizes the MTP head's drafts"):
+        boot(mtp_model, "--speculative-method", "ngram", "--speculative-draft-vocab", "64")
+    with pytest.raises(ConfigError, match=f"--speculative-draft-vocab {vocab + 1} is more than the model's {vocab}"):
+        boot(mtp_model, "--speculative-method", "mtp", "--speculative-draft-vocab", str(vocab + 1))
+    with pytest.raises(ConfigError, match="--speculative-draft-vocab must be 0"):
+        boot(mtp_model, "--speculative-method", "mtp", "--speculative-draft-vocab", "-3")
 
 
 def test_the_plan_prices_the_mtp_layers_kv_and_weights(mtp_model, booted, tmp_path, capsys):

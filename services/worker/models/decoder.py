@@ -226,6 +226,14 @@ class CausalLM(nn.Module):
         cap = self.spec.final_logit_softcapping
         return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
+    def draft_tokens(self, hidden: torch.Tensor, vocab: int = 0) -> torch.Tensor:
+        """The argmax of `logits(hidden)` over the first `vocab` token ids (0: all): a draft's token, reading only
+        those rows of the head (soft-capping keeps the order, so it is left out)."""
+        if not vocab:
+            return self.logits(hidden).argmax(dim=-1)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, head[:vocab]).argmax(dim=-1)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: Pools) -> torch.Tensor:
         """float32 logits [len(batch.logits_rows), vocab]: one row per request that samples."""

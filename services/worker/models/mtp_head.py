@@ -242,6 +242,7 @@ class MtpHead(nn.Module):
         self.pre_fc_norm_hidden = make_norm(*norm)
         self.layers = nn.ModuleList(MtpLayer(spec, rotary, dtype, device) for _ in range(spec.mtp_draft_layers))
         self.norm = make_norm(*norm)
+        self.draft_vocab = 0  # --speculative-draft-vocab: drafts among the first N token ids (0: all)
 
     def forward(
         self,
