@@ -192,7 +192,7 @@ class MtpChainBytes:
         }
         h, i = spec.hidden_size, spec.moe_intermediate_size
         return MtpChainBytes(
-            lm_head=(min(draft_vocab, spec.vocab_size) if draft_vocab else spec.vocab_size) * h * itemsize,
+            lm_head=(draft_vocab or spec.vocab_size) * h * itemsize,  # boot refuses one past the vocabulary
             layer=sum(_numel(s) for s in layer.values()) * itemsize,
             row_experts=min(spec.num_experts_per_tok, spec.num_experts) * 3 * i * h * itemsize,
         )
