@@ -58,6 +58,19 @@ def speculates(p: SamplingParams) -> bool:
     return not p.reads_its_output and p.logprobs is None and p.seed is None
 
 
+# the most tokens a row takes in the decode kernels' short-query path (kernels/paged_attention.py's SHORT_QUERY_TOKENS,
+# kernels/gated_delta_rule.py's RECURRENT_MAX_TOKENS), where the worker's verify graphs replay it
+SHORT_ROW_TOKENS = 17
+
+
+def verify_row_tokens(speculative_tokens: int) -> int:
+    """The most tokens a drafting row carries, its own and its drafts: the longest verify graph's rows
+    (services/worker/verify_graphs.py's `verify_shapes`). A hybrid's row after a refusal computes again the drafts
+    it kept (`computed_after_verify`), so refusals in a row lengthen its rows; one longer than this would run
+    eagerly, at several times a replay's cost, so it gets fewer drafts."""
+    return min(2 * speculative_tokens, SHORT_ROW_TOKENS)
+
+
 def computed_after_verify(context: int, query_len: int, drafts: int, accepted: int, hybrid: bool) -> int:
     """Tokens whose K/V (and, for a hybrid model, linear state) stand for the request's sequence after a
     drafting row of `query_len` tokens from position `context`, its last `drafts` of them drafts, of which the

@@ -30,8 +30,9 @@ placed, each decoding row whose request may speculate gets up to k drafts from p
 (ngram_proposer.py) or, with mtp, from the worker's MTP head (the drafts its last answer brought: each sampling row
 asks the worker for the k the controller expects to give its next row, `_mtp_row`), k <= --speculative-tokens
 chosen per row by the draft-length controller (draft_length.py: the request's measured acceptance against the verify
-positions' cost, their expert misses included), within the token budget left and the step's logits rows
-(`_give_drafts`); the worker verifies them in the same forward.
+positions' cost, their expert misses included), within the token budget left, the step's logits rows and the longest
+verify graph's rows (`_give_drafts`, `_draft_cap`: a hybrid's row after a refusal carries its kept drafts again); the
+worker verifies them in the same forward.
 Its answer says how many it kept: those and the worker's own token are the request's next tokens, one at a time
 through the stop checks, and the positions computed are counted by `computed_after_verify` (pages that held only
 refused drafts go back). A request whose next row would draft is not scheduled ahead: its next drafts need the
@@ -84,7 +85,12 @@ from ferry.shared.contract import sampling_wire_problems, step_output_problem, t
 from ferry.shared.errors import EngineError, FerryError, InvalidRequest
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
-from ferry.shared.speculation import DEFAULT_SPECULATIVE_TOKENS, computed_after_verify, speculates
+from ferry.shared.speculation import (
+    DEFAULT_SPECULATIVE_TOKENS,
+    computed_after_verify,
+    speculates,
+    verify_row_tokens,
+)
 from ferry.shared.step import Logprobs, NewRequest, StepBatch, StepOutput
 from ferry.shared.units import ceil_div
 
@@ -546,7 +552,7 @@ class BatchScheduler:
         # each row's drafts at most (a drafter's k drafts are the first k of these)
         proposals = {}
         for e in entries:
-            if self._draft_row(e) and (cap := self._draft_cap(e.req)) >= 1:
+            if self._draft_row(e) and (cap := self._draft_cap(e.req, e.query_len)) >= 1:
                 found = self.drafter(e.req, cap)
                 # a row that found none decodes plainly, scheduled ahead, until its next probe looks again
                 self.draft_length.looked(e.req.rid, None if found is None else len(found))
@@ -562,7 +568,7 @@ class BatchScheduler:
             req, q = e.req, e.query_len
             if budget < 1 or logits_room < 1:
                 return
-            room = min(self._draft_cap(req), budget, logits_room)
+            room = min(self._draft_cap(req, q), budget, logits_room)
             if room < 1 or (self.hybrid and not self.holds.free_count):
                 continue
             k = self.draft_length.choose(req.rid, len(entries), step_tokens, room, eager_paid)
@@ -584,11 +590,12 @@ class BatchScheduler:
         acceptances = [self.draft_length.acceptance(r.rid) for r in drafting]
         return self.draft_length.shared_paid(acceptances, rows, step_tokens, limit)
 
-    def _draft_cap(self, req: Request) -> int:
-        """The most drafts req's row may carry: --speculative-tokens, and one fewer than the tokens left to it (its
-        max_tokens, the model length: the verify adds one of its own)."""
+    def _draft_cap(self, req: Request, q: int) -> int:
+        """The most drafts req's row of q tokens may carry: --speculative-tokens, one fewer than the tokens left to
+        it (its max_tokens, the model length: the verify adds one of its own), and what keeps the row within a
+        verify graph (speculation.verify_row_tokens: a hybrid's row after refusals carries its kept drafts again)."""
         left = min(req.max_tokens - req.output_len, self.pool.max_model_len - len(req.tokens))
-        return min(self.speculative_tokens, left - 1)
+        return min(self.speculative_tokens, left - 1, verify_row_tokens(self.speculative_tokens) - q)
 
     def _draft_row(self, e: _Entry) -> bool:
         """Whether the row may carry drafts: a sampling row past its prompt, not keeping a snapshot inside, of a

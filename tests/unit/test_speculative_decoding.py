@@ -45,7 +45,7 @@ from ferry.services.worker.sampler import RequestSamplingState
 from ferry.services.worker.service import pool_report_from_plan
 from ferry.shared.errors import ConfigError
 from ferry.shared.sampling import SamplingParams
-from ferry.shared.speculation import computed_after_verify, speculates
+from ferry.shared.speculation import computed_after_verify, speculates, verify_row_tokens
 from ferry.shared.step import NewRequest, StepBatch
 from ferry.shared.units import MiB
 from tests.unit.test_cli_flags import parse
@@ -557,6 +557,39 @@ def test_drafts_stay_inside_max_tokens_and_the_pages(tiny_models, monkeypatch):
     # every step that no request holds a page past its tokens
     [(tokens, _)], sched = generate(executor, plan, [(PROMPTS[0], GREEDY, 40)], "ngram", k=8)
     assert len(tokens) == 40 and sched.drafted_tokens - sched.accepted_drafts > 100
+
+
+def test_a_hybrids_rows_after_refusals_stay_within_a_verify_graph(tiny_models, monkeypatch):
+    """A hybrid's row after a refusal computes the drafts it kept again (computed_after_verify), so refusals one
+    after another lengthen its rows; past the longest verify graph's (speculation.verify_row_tokens) a step would
+    run eagerly. Every row drafting all it may, each keeping its first draft and refusing its second: the rows grow
+    to that length and no further, and the tokens are still greedy's."""
+    executor, plan = boot(tiny_models["qwen3_5_moe"])
+    requests = greedy_requests()
+    off, _ = generate(executor, plan, requests)
+    reference = {tuple(p): toks for p, (toks, _) in zip(PROMPTS, off)}
+
+    def second_refused(tokens, k):
+        prompt = next(p for p in reference if tuple(tokens[: len(p)]) == p)
+        drafts = list(reference[prompt][len(tokens) - len(prompt) :][:k])
+        if len(drafts) > 1:
+            drafts[1] = (drafts[1] + 1) % executor.spec.vocab_size
+        return drafts
+
+    monkeypatch.setattr(batcher_module, "propose_ngram", second_refused)
+    monkeypatch.setattr(DraftLength, "best", lambda self, acceptance, rows, step_tokens, limit, eager_paid=False: limit)
+    rows, execute = [], executor.execute
+
+    def recording(batch):
+        if batch.draft_lens is not None:
+            rows.extend(batch.query_lens[batch.draft_lens > 0].tolist())
+        return execute(batch)
+
+    monkeypatch.setattr(executor, "execute", recording)
+    on, sched = generate(executor, plan, requests, "ngram")
+    assert on == off
+    assert max(rows) == verify_row_tokens(K)
+    assert sched.accepted_drafts < sched.drafted_tokens
 
 
 @pytest.mark.parametrize("accepted", [None, np.array([5, 0], np.int32)], ids=["unsaid", "too_many"])

@@ -22,6 +22,7 @@ from ferry.services.scheduler import batcher as batcher_module
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.mtp_chain_graphs import chain_shapes
 from ferry.services.worker.verify_graphs import VERIFY_MAX_ROWS, VerifyGraphs, verify_shapes
+from ferry.shared.speculation import verify_row_tokens
 from ferry.shared.step import StepBatch
 from tests.unit.test_mtp_drafting import _assert_the_heads_drafts, _chained, cpu_decode_graphs
 from tests.unit.test_speculative_decoding import PROMPTS, boot, generate, greedy_requests, knowing_drafter
@@ -76,6 +77,9 @@ def test_the_shapes_and_which_verify_steps_a_graph_takes():
     assert verify_shapes([1, 2, 4, 8], 2) == [(1, 2), (2, 2), (4, 2), (1, 3), (2, 3), (1, 4), (2, 4)]
     assert all(rows <= VERIFY_MAX_ROWS and rows * n <= 8 for rows, n in verify_shapes([1, 2, 4, 8], 4))
     assert max(n for _, n in verify_shapes([1, 64], 16)) == 17  # what the decode kernels take as a row
+    # the scheduler's bound on a drafting row's tokens is the longest verify graph's rows
+    for k in range(1, 17):
+        assert verify_row_tokens(k) == max(n for _, n in verify_shapes([1, 2, 4, 8, 64], k))
     assert verify_shapes([], 4) == [] and chain_shapes([1, 2, 16], 2) == [(1, 1), (1, 2), (2, 1), (2, 2)]
     g = VerifyGraphs(None, None, 16, 4, verify_shapes([1, 2, 4, 16], 3), "cpu", 32, 8)
     g.graphs = {shape: object() for shape in g.shapes}  # as if captured
