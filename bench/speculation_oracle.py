@@ -59,6 +59,7 @@ GAUGES = (
     "ferry_speculative_decode_step_seconds",
     "ferry_speculative_chain_position_seconds",
     "ferry_speculative_verify_step_seconds",
+    "ferry_speculative_verify_wall_seconds",
 )
 # the scheduler's steps, and those sent ahead of the previous step's answer: a decode that stops being scheduled
 # ahead waits a scheduler turn and two hops a step
@@ -113,6 +114,7 @@ def measure(served, prompts: list[list[int]], args) -> dict:
         "decode_step_ms": round(1e3 * after["ferry_speculative_decode_step_seconds"], 3),
         "chain_position_ms": round(1e3 * after["ferry_speculative_chain_position_seconds"], 3),
         "verify_step_ms": round(1e3 * after["ferry_speculative_verify_step_seconds"], 3),
+        "verify_wall_ms": round(1e3 * after["ferry_speculative_verify_wall_seconds"], 3),
         "steps": steps["ferry_scheduler_steps_total"],
         "steps_ahead": steps["ferry_scheduler_steps_ahead_total"],
         "texts": texts,
@@ -211,7 +213,8 @@ def main() -> int:
             f"tok/s = {run['vs_off']}x off (between chunks {run['vs_off_stream']}x) "
             f"({off['median_e2e_tok_s']} tok/s); acceptance {run['acceptance']}, mean k {run['mean_k']}, "
             f"same text {run['same_text_as_off']}; step {run['decode_step_ms']} ms, chain position "
-            f"{run['chain_position_ms']} ms, verify step {run['verify_step_ms']} ms; {run['steps_ahead']:g} of "
+            f"{run['chain_position_ms']} ms, verify step {run['verify_step_ms']} ms "
+            f"({run['verify_wall_ms']} ms send to answer); {run['steps_ahead']:g} of "
             f"{run['steps']:g} steps ahead (off: {off['steps_ahead']:g} of {off['steps']:g})",
             flush=True,
         )

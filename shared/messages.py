@@ -150,6 +150,8 @@ class SchedulerStatus(msgspec.Struct, tag=True, kw_only=True):
     draft_decode_step_s: float = 0.0
     draft_chain_position_s: float = 0.0
     draft_verify_step_s: float = 0.0
+    # the same drafting step from the scheduler's send to its answer, its chain's device time left out
+    draft_verify_wall_s: float = 0.0
 
 
 SchedulerToApi = Union[Tokens, Finished, Failed, SchedulerStatus]

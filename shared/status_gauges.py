@@ -29,6 +29,12 @@ class StatusGauges:
             "draft-length controller's running estimate (0: not measured yet)",
             registry=registry,
         )
+        self.verify_wall = Gauge(
+            f"{prefix}speculative_verify_wall_seconds",
+            "speculative decoding: a step verifying drafts from the scheduler's send to its answer, its MTP chain's "
+            "device time left out, the draft-length controller's running estimate (0: not measured yet)",
+            registry=registry,
+        )
         self.chain_position = Gauge(
             f"{prefix}speculative_chain_position_seconds",
             "speculative decoding: an MTP draft chain's seconds a position as the worker times it on the device, "
@@ -44,3 +50,4 @@ class StatusGauges:
         self.decode_step.set(status.draft_decode_step_s)
         self.chain_position.set(status.draft_chain_position_s)
         self.verify_step.set(status.draft_verify_step_s)
+        self.verify_wall.set(status.draft_verify_wall_s)

@@ -913,8 +913,10 @@ class BatchScheduler:
         e.mtp_drafts = k
         return k, -1
 
-    def complete(self, output: StepOutput) -> Outcome:
-        """Apply the in-flight step's output: advance requests, emit tokens, finish the done ones."""
+    def complete(self, output: StepOutput, wall_s: float = 0.0) -> Outcome:
+        """Apply the in-flight step's output: advance requests, emit tokens, finish the done ones. `wall_s`: the
+        step's seconds from its send to its answer (the service's clock; 0: not measured), which prices a drafting
+        step the worker timed (draft_length.py)."""
         out = Outcome()
         if not self._in_flight or output.step_id != self._in_flight[0][0]:
             # A late answer to a step already given up on (--step-timeout): its requests failed
@@ -926,7 +928,13 @@ class BatchScheduler:
                 output.step_id, EngineError(f"the worker's answer to step {output.step_id} is unusable: {problem}")
             )
         entries = self._landed()
-        self.draft_length.note_step_costs(output.decode_step_s, output.chain_position_s, output.verify_step_s)
+        verify_wall_s = 0.0
+        if output.verify_step_s > 0 and wall_s > 0:  # a drafting step the worker timed: sent alone, never ahead
+            chained = max((e.mtp_drafts for e in entries), default=0)
+            verify_wall_s = max(wall_s - chained * output.chain_position_s, 0.0)
+        self.draft_length.note_step_costs(
+            output.decode_step_s, output.chain_position_s, output.verify_step_s, verify_wall_s
+        )
         sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
         vocab = self.pool.vocab_size
         sampled_lps = {lp.req_id: lp for lp in output.sampled_logprobs}

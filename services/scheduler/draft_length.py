@@ -41,10 +41,14 @@ Measured where the worker measures: a decode graph's replay (StepOutput.decode_s
 seen, misses and all, an MTP chain's seconds a position (StepOutput.chain_position_s) for a chain position's priced
 cost, and a step that verified drafts (StepOutput.verify_step_s: a verify graph's where the worker has them, its
 eager steps beside them not timed) over the replay for the eager step's, each the mean of the first measurements
-then an EWMA (STEP_COST_WEIGHT): the constants and the bytes are only where nothing is measured yet.
+then an EWMA (STEP_COST_WEIGHT): the constants and the bytes are only where nothing is measured yet. The same step
+is timed by the scheduler too, from its send to its answer, less its chain's device time (`verify_wall_s`), and the
+longer of the two stands for it: a drafting step is never sent ahead, so the host's reads between the verify and the
+chain and the answer's round trip are paid in full, which the device's replays leave out (a served trace of the
+resident hybrid cut: 7.6 ms a drafting step's wall against ~4 ms of replays).
 No torch, no clock: the prices are the plan's (PoolReport, with mtp its chain's bytes), the constants below and the
-worker's measurements; the scheduler feeds the outcomes (`observe`), the worker's expert counts
-(`note_expert_lookups`) and the steps' device times (`note_step_costs`).
+measurements; the scheduler feeds the outcomes (`observe`), the worker's expert counts (`note_expert_lookups`) and
+the steps' device and wall times (`note_step_costs`).
 """
 
 from __future__ import annotations
@@ -190,6 +194,9 @@ class DraftLength:
     decode_step_s: float | None = None  # a decode graph's replay, measured (note_step_costs); None: not yet
     chain_position_s: float | None = None  # an MTP chain position, measured (note_step_costs); None: not yet
     verify_step_s: float | None = None  # a step that verified drafts, measured (note_step_costs); None: not yet
+    # the same step's wall time from the scheduler's send to its answer, its chain's device time left out
+    # (note_step_costs); None: not yet
+    verify_wall_s: float | None = None
     pinned: int = 0  # > 0: the bench's fixed k (oracle_drafter.py's FERRY_BENCH_PINNED_DRAFTS): `best` gives it
     _requests: dict[int, _Acceptance] = field(default_factory=dict)
     # every request's verified rows, decayed as a request's are: where a new request's estimate starts (`_fresh`)
@@ -255,11 +262,13 @@ class DraftLength:
         return drafts * VERIFY_POSITION_S + making + self.misses_added(step_tokens, drafts) * self.prices.miss_s
 
     def eager_overhead_s(self, step_tokens: int) -> float:
-        """What running a step eagerly (it carries drafts) adds to it: a measured verify step over the measured
-        decode graph's replay, else DRAFT_STEP_OVERHEAD_S."""
-        if self.verify_step_s is None or self.decode_step_s is None:
+        """What running a step eagerly (it carries drafts) adds to it: a measured verify step, on the device or
+        from send to answer, whichever is longer, over the measured decode graph's replay, else
+        DRAFT_STEP_OVERHEAD_S."""
+        measured = [s for s in (self.verify_step_s, self.verify_wall_s) if s is not None]
+        if not measured or self.decode_step_s is None:
             return DRAFT_STEP_OVERHEAD_S
-        return max(self.verify_step_s - self.step_s(step_tokens), 0.0)
+        return max(max(measured) - self.step_s(step_tokens), 0.0)
 
     def shared_paid(self, acceptances: list[float], rows: int, step_tokens: int, limit: int) -> int:
         """What a step's drafting rows pay together, as `eager_paid`: the d of 0 and SHARED_DEPTHS up to min(K,
@@ -397,13 +406,17 @@ class DraftLength:
     def forget(self, rid: int) -> None:
         self._requests.pop(rid, None)
 
-    def note_step_costs(self, decode_step_s: float, chain_position_s: float, verify_step_s: float = 0.0) -> None:
+    def note_step_costs(
+        self, decode_step_s: float, chain_position_s: float, verify_step_s: float = 0.0, verify_wall_s: float = 0.0
+    ) -> None:
         """A step's device seconds as the worker measured them (0: not measured): its decode graph's replay, its
-        MTP chain's a position, its eager forward and verify (a step with drafts)."""
+        MTP chain's a position, its eager forward and verify (a step with drafts); and that step's wall seconds
+        from the scheduler's send to its answer, its chain's device time left out (`verify_wall_s`)."""
         for name, seconds in (
             ("decode_step_s", decode_step_s),
             ("chain_position_s", chain_position_s),
             ("verify_step_s", verify_step_s),
+            ("verify_wall_s", verify_wall_s),
         ):
             if seconds > 0:
                 n = self._step_costs_seen[name] = self._step_costs_seen.get(name, 0) + 1

@@ -214,9 +214,13 @@ class SchedulerService:
                 case WorkerAlive():
                     self._worker_alive(msg)
                 case StepDone(output=output):
-                    self.trace.add(step=output.step_id, landed=time.monotonic())
+                    landed = time.monotonic()
+                    self.trace.add(step=output.step_id, landed=landed)
                     if self.core is not None and self.core.step_in_flight:
-                        self._step_landed(self.core.complete(output))
+                        # since the step was sent, or the one before it landed (a step sent ahead): a drafting
+                        # step is sent alone, so for it this is its send to its answer
+                        wall = landed - self._step_sent_at if self._step_sent_at is not None else 0.0
+                        self._step_landed(self.core.complete(output, wall_s=wall))
                 case StepFailed(step_id=step_id, message=message):
                     log.error("step_failed", step_id=step_id, error=message)
                     if self.core is not None and self.core.step_in_flight:
@@ -549,6 +553,7 @@ class SchedulerService:
             draft_decode_step_s=c.draft_length.decode_step_s or 0.0,
             draft_chain_position_s=c.draft_length.chain_position_s or 0.0,
             draft_verify_step_s=c.draft_length.verify_step_s or 0.0,
+            draft_verify_wall_s=c.draft_length.verify_wall_s or 0.0,
         )
 
     def _update_metrics(self, s: SchedulerStatus) -> None:

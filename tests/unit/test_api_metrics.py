@@ -108,6 +108,7 @@ def test_the_draft_length_controllers_counts_come_from_the_schedulers_status():
             draft_decode_step_s=0.004,
             draft_chain_position_s=0.0005,
             draft_verify_step_s=0.009,
+            draft_verify_wall_s=0.012,
         ),
         True,
     )
@@ -115,6 +116,7 @@ def test_the_draft_length_controllers_counts_come_from_the_schedulers_status():
     assert got[("ferry_speculative_decode_step_seconds", ())] == 0.004  # the step costs it prices with
     assert got[("ferry_speculative_chain_position_seconds", ())] == 0.0005
     assert got[("ferry_speculative_verify_step_seconds", ())] == 0.009
+    assert got[("ferry_speculative_verify_wall_seconds", ())] == 0.012
     assert got[("ferry_speculative_k_decisions_total", ())] == 10
     assert got[("ferry_speculative_k_chosen_total", ())] == 25
     assert got[("ferry_speculative_estimated_misses_added_total", ())] == 300

@@ -464,6 +464,22 @@ def test_a_measured_verify_step_prices_the_eager_step_a_draft_pays():
     assert unmeasured.eager_overhead_s(1) == DRAFT_STEP_OVERHEAD_S
 
 
+def test_a_drafting_steps_wall_prices_it_where_the_device_leaves_part_out():
+    """A drafting step is never sent ahead: where it takes 6.6 ms from send to answer (its chain left out) against a
+    2.7 ms verify on the device and a 1 ms replay, a draft pays the 5.6 ms, and one stream at acceptance 0.8 that
+    drafts at the device's price drafts nothing; a wall shorter than the device's verify leaves the device's."""
+    ctl = DraftLength(K, ExpertPrices.of(RESIDENT))
+    ctl.note_step_costs(1e-3, 0.0, 2.7e-3)
+    assert ctl.eager_overhead_s(1) == pytest.approx(1.7e-3)
+    assert ctl.best(0.8, rows=1, step_tokens=1, limit=K) > 0
+    ctl.note_step_costs(1e-3, 0.0, 2.7e-3, 6.6e-3)
+    assert ctl.verify_wall_s == 6.6e-3 and ctl.eager_overhead_s(1) == pytest.approx(5.6e-3)
+    assert ctl.best(0.8, rows=1, step_tokens=1, limit=K) == 0
+    quick = DraftLength(K, ExpertPrices.of(RESIDENT))
+    quick.note_step_costs(1e-3, 0.0, 2.7e-3, 2.0e-3)
+    assert quick.eager_overhead_s(1) == pytest.approx(1.7e-3)
+
+
 def test_a_first_measurement_off_the_rest_is_outweighed_as_soon_as_others_come():
     """A step cost's first measurement (a cold replay, say 30 ms against the 2 ms of the rest) weighs as one of the
     measurements so far, not 1 - STEP_COST_WEIGHT (95 %) of the next: after ten more the verify price is within 3 ms
@@ -486,6 +502,23 @@ def test_the_scheduler_takes_the_workers_measured_step_costs():
     sched.complete(msgspec.structs.replace(out, decode_step_s=3e-3, chain_position_s=5e-4, verify_step_s=9e-3))
     assert sched.draft_length.decode_step_s == 3e-3 and sched.draft_length.chain_position_s == 5e-4
     assert sched.draft_length.verify_step_s == 9e-3
+
+
+def test_the_scheduler_prices_a_drafting_step_by_its_wall_less_its_chain():
+    """The service's send-to-answer seconds reach the controller for a step the worker timed as a drafting step,
+    less the chain positions the step ran at the measured chain price; a plain step's wall prices nothing."""
+    sched = BatchScheduler(MTP_QWEN, speculative_method="mtp", speculative_tokens=K)
+    sched.add(1, b"t", 1, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 50)
+    batch = sched.schedule()
+    chained = int(batch.mtp_drafts.max())
+    assert chained > 0  # a new request's first row asks the head for drafts
+    sched.complete(answer(batch), wall_s=5e-3)  # no drafts verified: not a drafting step's price
+    assert sched.draft_length.verify_wall_s is None
+    batch = sched.schedule()
+    chained = int(batch.mtp_drafts.max()) if batch.mtp_drafts is not None else 0
+    out = msgspec.structs.replace(answer(batch), decode_step_s=1e-3, chain_position_s=5e-4, verify_step_s=3e-3)
+    sched.complete(out, wall_s=9e-3)
+    assert sched.draft_length.verify_wall_s == pytest.approx(9e-3 - chained * 5e-4)
 
 
 @pytest.mark.parametrize(
