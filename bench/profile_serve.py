@@ -88,7 +88,7 @@ def fold(raw: Path, seconds: float, rate: int, top: int) -> dict:
     return out
 
 
-def _median(values: list) -> float | None:
+def median_of_present(values: list) -> float | None:
     present = [v for v in values if v is not None]  # device times are None off CUDA
     return statistics.median(present) if present else None
 
@@ -105,24 +105,28 @@ def timeline(scheduler: list[dict], worker: list[dict], t0: float, t1: float) ->
     intervals = sorted((b["answered"] - a["answered"]) * ms for a, b in zip(steps, steps[1:]))
     return {
         "steps": len(steps),
-        "rows": _median([e["rows"] for e in steps]),
-        "step_interval_ms": _median(intervals),
+        "rows": median_of_present([e["rows"] for e in steps]),
+        "step_interval_ms": median_of_present(intervals),
         "step_interval_mean_ms": statistics.mean(intervals) if intervals else None,
         "step_interval_p90_ms": intervals[int(0.9 * (len(intervals) - 1))] if intervals else None,
         "step_interval_max_ms": intervals[-1] if intervals else None,
-        "device_ms": _median([e["device_ms"] for e in steps]),
-        "device_idle_ms": _median([e["idle_ms"] for e in steps]),
-        "worker_launch_ms": _median([(e["launched"] - e["recv"]) * ms for e in steps]),
-        "worker_answer_ms": _median([(e["answered"] - e["launched"]) * ms for e in steps]),
-        "sent_to_worker_read_ms": _median([(e["recv"] - sent[e["step"]]) * ms for e in steps if e["step"] in sent]),
-        "answer_to_scheduler_ms": _median(
+        "device_ms": median_of_present([e["device_ms"] for e in steps]),
+        "device_idle_ms": median_of_present([e["idle_ms"] for e in steps]),
+        "worker_launch_ms": median_of_present([(e["launched"] - e["recv"]) * ms for e in steps]),
+        "worker_answer_ms": median_of_present([(e["answered"] - e["launched"]) * ms for e in steps]),
+        "sent_to_worker_read_ms": median_of_present(
+            [(e["recv"] - sent[e["step"]]) * ms for e in steps if e["step"] in sent]
+        ),
+        "answer_to_scheduler_ms": median_of_present(
             [(landed[e["step"]] - e["answered"]) * ms for e in steps if e["step"] in landed]
         ),
-        "scheduler_turn_ms": _median([(sent[k + 2] - landed[k]) * ms for k in ids if k in landed and k + 2 in sent]),
+        "scheduler_turn_ms": median_of_present(
+            [(sent[k + 2] - landed[k]) * ms for k in ids if k in landed and k + 2 in sent]
+        ),
     }
 
 
-def _trace_lines(trace_dir: Path, role: str) -> list[dict]:
+def trace_lines(trace_dir: Path, role: str) -> list[dict]:
     out = []
     for path in trace_dir.glob(f"{role}-*.jsonl"):
         out.extend(json.loads(line) for line in path.read_text().splitlines() if line)
@@ -216,7 +220,7 @@ def profile(
         "streams": streams,
         "tokens_per_s": round(tokens / wall, 1),
         "step_ms": round(1000 * wall * streams / max(tokens, 1), 3),
-        "timeline": timeline(_trace_lines(trace_dir, "scheduler"), _trace_lines(trace_dir, "worker"), t0, t1),
+        "timeline": timeline(trace_lines(trace_dir, "scheduler"), trace_lines(trace_dir, "worker"), t0, t1),
     }
     if hosts0 and hosts1:  # the decode share's host nodes over the window: their calls by wall time
         out["host_nodes"] = host_nodes_window(hosts0, hosts1)

@@ -12,8 +12,10 @@ FERRY_BENCH_ORACLE_ALPHA. Each run: the same token-id prompts (each sent once fi
 stream at a time, greedy, ignore_eos; per stream the tokens over the request's whole time (`median_e2e_tok_s`, the
 figure compared: a verify's tokens arrive in one chunk, which a rate between chunks would misread) and
 bench/serve_openai.py's chunk rate beside it, with the scheduler's acceptance and mean k from /metrics, its steps and
-how many went ahead of the answer before them, and whether the text matched speculation off's. Writes
-OUT/spec_oracle_<workload>.json.
+how many went ahead of the answer before them, whether the text matched speculation off's, and from the server's
+step trace (FERRY_STEP_TRACE, OUT/trace_<run>/) the measured steps by kind (`steps_by_kind`: plain, drafting, and
+rows of several tokens without drafts), each kind's seconds and its steps' interval, device and idle times: where a
+drafting run's time goes besides what the controller prices. Writes OUT/spec_oracle_<workload>.json.
 
     python3 -m bench spec-oracle --out out --workload 12layer [--alphas 0,0.6,0.8,0.9] [--speculative-tokens 4]
     python3 -m bench spec-oracle --out out --model DIR --serve-flags="--device cpu"   (a model of your own)
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -35,9 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.decode_suite import WORKLOADS, commit, workload_model  # noqa: E402
+from bench.profile_serve import median_of_present, trace_lines  # noqa: E402
 from bench.serve_openai import prompt_ids, stream, timed_http_client  # noqa: E402
 from bench.serve_process import start_serve  # noqa: E402
 from ferry.shared.liveness import HEARTBEAT_INTERVAL_S  # noqa: E402
+from ferry.shared.step_trace import ENV as STEP_TRACE_ENV  # noqa: E402
 
 LABEL = (
     "oracle draft at set acceptance rates (bench-only): drafts are the target's greedy continuation, each token "
@@ -79,8 +84,50 @@ def counters(url: str, names: tuple[str, ...] = COUNTERS + GAUGES) -> dict[str, 
     return got
 
 
+def step_kinds(worker: list[dict], t0: float, t1: float) -> dict:
+    """The steps the worker answered within [t0, t1] by kind, from its trace lines (shared/step_trace.py): `plain`
+    (one token a row), `drafting` (rows with drafts), `several` (rows of several tokens without drafts: a prompt's
+    tail after its cached prefix, a hybrid's kept drafts computed again). For each: how many, the seconds they took
+    (each from the answer before it to its own: what it cost the stream), and medians (ms) of that, of its time on
+    the device and of the device's idle time before it; `longest_row`: the most tokens a row of that kind had."""
+    steps = sorted((e for e in worker if t0 <= e["answered"] <= t1), key=lambda e: e["answered"])
+    kinds: dict[str, list] = {"plain": [], "drafting": [], "several": []}
+    for before, e in zip(steps, steps[1:]):
+        longest = e.get("longest", -(-e["tokens"] // max(e["rows"], 1)))
+        kind = "drafting" if e.get("drafts", 0) else "plain" if longest <= 1 else "several"
+        kinds[kind].append((1e3 * (e["answered"] - before["answered"]), e["device_ms"], e["idle_ms"], longest))
+
+    def ms(values: list) -> float | None:
+        m = median_of_present(values)
+        return None if m is None else round(m, 3)
+
+    return {
+        kind: {
+            "steps": len(got),
+            "seconds": round(sum(g[0] for g in got) / 1e3, 4),
+            "interval_ms": ms([g[0] for g in got]),
+            "device_ms": ms([g[1] for g in got]),
+            "device_idle_ms": ms([g[2] for g in got]),
+            "longest_row": max((g[3] for g in got), default=0),
+        }
+        for kind, got in kinds.items()
+    }
+
+
+def kinds_line(run: dict) -> str:
+    """A run's `steps_by_kind`, one line: each kind's steps, seconds and median interval (device) ms."""
+    kinds = run.get("steps_by_kind") or {}
+    return ", ".join(
+        f"{kind} {k['steps']} steps {k['seconds']} s at {k['interval_ms']} ms (device {k['device_ms']}, "
+        f"rows up to {k['longest_row']})"
+        for kind, k in kinds.items()
+        if k["steps"]
+    )
+
+
 def measure(served, prompts: list[list[int]], args) -> dict:
-    """Each prompt streamed `args.repeats` times, one at a time: per-stream decode tok/s, texts, counters."""
+    """Each prompt streamed `args.repeats` times, one at a time: per-stream decode tok/s, texts, counters, and the
+    measured window's steps by kind (`step_kinds`) where the server traced its steps."""
     import openai
 
     client = openai.OpenAI(base_url=served.base + "/v1", api_key="bench", http_client=timed_http_client())
@@ -90,6 +137,7 @@ def measure(served, prompts: list[list[int]], args) -> dict:
     time.sleep(COUNTS_SETTLE_S)
     before = counters(served.base + "/metrics")
     steps_before = counters(served.scheduler_metrics, STEP_COUNTERS)
+    t0 = time.monotonic()  # the clock of the trace's lines (CLOCK_MONOTONIC, one for every process of the host)
     rates, e2e, texts = [], [], []
     for p in prompts:
         for _ in range(args.repeats):
@@ -97,6 +145,7 @@ def measure(served, prompts: list[list[int]], args) -> dict:
             rates.append(r["tok_s"])
             e2e.append(r["tokens"] / r["last_s"] if r["last_s"] else None)
             texts.append(r["text"])
+    t1 = time.monotonic()
     time.sleep(COUNTS_SETTLE_S)
     after = counters(served.base + "/metrics")
     steps = {k: v - steps_before[k] for k, v in counters(served.scheduler_metrics, STEP_COUNTERS).items()}
@@ -118,17 +167,22 @@ def measure(served, prompts: list[list[int]], args) -> dict:
         "steps": steps["ferry_scheduler_steps_total"],
         "steps_ahead": steps["ferry_scheduler_steps_ahead_total"],
         "texts": texts,
+        "window": (t0, t1),
     }
 
 
 def serve_and_measure(tag: str, model_dir: Path, flags: list[str], env: dict, prompts, out: Path, args) -> dict:
-    served = start_serve(model_dir, flags, out / f"serve_{tag}.log", env=env)
+    trace = out / f"trace_{tag}"  # each run's step timeline (FERRY_STEP_TRACE), read once the server has stopped
+    shutil.rmtree(trace, ignore_errors=True)
+    trace.mkdir(parents=True)
+    served = start_serve(model_dir, flags, out / f"serve_{tag}.log", env={**env, STEP_TRACE_ENV: str(trace)})
     print(f"[{tag}] {served.command}", flush=True)
     try:
         served.wait_ready(args.ready_timeout)
         result = measure(served, prompts, args)
     finally:
         result_stop = served.stop()
+    result["steps_by_kind"] = step_kinds(trace_lines(trace, "worker"), *result.pop("window"))
     return {"serve": served.command, **result, "stopped": result_stop}
 
 
@@ -215,7 +269,7 @@ def main() -> int:
             f"same text {run['same_text_as_off']}; step {run['decode_step_ms']} ms, chain position "
             f"{run['chain_position_ms']} ms, verify step {run['verify_step_ms']} ms "
             f"({run['verify_wall_ms']} ms send to answer); {run['steps_ahead']:g} of "
-            f"{run['steps']:g} steps ahead (off: {off['steps_ahead']:g} of {off['steps']:g})",
+            f"{run['steps']:g} steps ahead (off: {off['steps_ahead']:g} of {off['steps']:g}); {kinds_line(run)}",
             flush=True,
         )
     off.pop("texts")

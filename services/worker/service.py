@@ -384,6 +384,8 @@ class WorkerService:
                 step=batch.step_id,
                 rows=len(batch.req_ids),
                 tokens=len(batch.tokens),
+                drafts=int(batch.draft_lens.sum()) if batch.draft_lens is not None else 0,
+                longest=int(batch.query_lens.max()) if len(batch.req_ids) else 0,  # the longest row's tokens
                 recv=received[0],
                 launched=received[1],
                 answered=answered,

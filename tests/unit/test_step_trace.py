@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from bench.profile_serve import timeline
 from ferry.shared.step_trace import StepTrace
 
@@ -76,3 +78,33 @@ def test_the_timeline_shows_a_tail_the_median_hides():
     t = timeline([], worker, 0.0, 1.0)
     assert abs(t["step_interval_ms"] - 1.0) < 1e-9 and abs(t["step_interval_mean_ms"] - 2.0) < 1e-9
     assert abs(t["step_interval_max_ms"] - 11.0) < 1e-9 and abs(t["step_interval_p90_ms"] - 1.0) < 1e-9
+
+
+def test_the_oracle_bench_splits_the_steps_by_kind():
+    """bench/speculation_oracle.py's `step_kinds`: a plain step, a drafting one and a row of several tokens without
+    drafts, each charged the interval since the answer before it; steps outside the window are left out."""
+    from bench.speculation_oracle import step_kinds
+
+    def step(n, answered, tokens, drafts, longest, device):
+        return dict(step=n, rows=1, tokens=tokens, drafts=drafts, longest=longest, answered=answered,
+                    device_ms=device, idle_ms=0.5)  # fmt: skip
+
+    worker = [
+        step(1, 0.000, 1, 0, 1, 1.0),
+        step(2, 0.001, 1, 0, 1, 1.0),
+        step(3, 0.009, 5, 4, 5, 6.0),  # a drafting step: 8 ms since the answer before it
+        step(4, 0.039, 8, 0, 8, 29.0),  # a hybrid's kept tokens again, eager: 30 ms
+        step(5, 0.040, 1, 0, 1, 1.0),
+        step(6, 9.000, 1, 0, 1, 1.0),  # past the window
+    ]
+    kinds = step_kinds(worker, 0.0, 1.0)
+    assert kinds["plain"]["steps"] == 2 and kinds["plain"]["interval_ms"] == pytest.approx(1.0)
+    assert kinds["drafting"] == {
+        "steps": 1,
+        "seconds": pytest.approx(0.008),
+        "interval_ms": pytest.approx(8.0),
+        "device_ms": 6.0,
+        "device_idle_ms": 0.5,
+        "longest_row": 5,
+    }
+    assert kinds["several"]["seconds"] == pytest.approx(0.03) and kinds["several"]["longest_row"] == 8
