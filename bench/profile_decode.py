@@ -7,6 +7,12 @@ starting; one long one a step: the step's end and the next one's first layer).
 
     python3 bench/profile_decode.py --model DIR --load-format dummy --gpu-memory 24GiB \\
         [--moe-cache-size N] [--streams 1,8]
+
+With `--draft-tokens d` (and --speculative-method) each profiled step is a verify step instead, as the scheduler
+sends one: every row its token and d random drafts (a hybrid's state held in a snapshot for the step), with mtp
+each row asking the head for d drafts after it, so the chain runs too; a row advances by what the verify kept
+(shared/speculation.py's computed_after_verify), so random drafts, mostly refused, keep its length. What a drafting
+step costs on the device beside a decode step's replay, kernel by kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from bench.serve_decode import Streams  # noqa: E402
 from ferry.services.worker.boot import boot_worker  # noqa: E402
 from ferry.services.worker.expert_cache_delta import COUNTERS, report_delta  # noqa: E402
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
+from ferry.shared.speculation import computed_after_verify  # noqa: E402
 
 
 def main() -> None:
@@ -36,24 +43,52 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--streams", default="1", help="decode this many requests together; a list (1,8) profiles each")
     parser.add_argument("--out", default=None, help="write the per-step call counts as JSON here")
+    parser.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=0,
+        help="profile verify steps of this many random drafts a row (with --speculative-method) instead of decode",
+    )
     args = parser.parse_args()
+    if args.draft_tokens and not args.speculative_method:
+        parser.error("--draft-tokens profiles verify steps: give --speculative-method ngram or mtp")
     executor, plan = boot_worker(boot_config_from_args(args))
     rng = np.random.default_rng(0)
     runs = []
     for i, n in enumerate(int(s) for s in args.streams.split(",")):
-        runs.append(profile_streams(executor, plan, n, args.steps, args.rows, rng, first_req_id=1 + 100 * i))
+        runs.append(
+            profile_streams(
+                executor, plan, n, args.steps, args.rows, rng, first_req_id=1 + 100 * i, drafts=args.draft_tokens
+            )
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=1) + "\n")
 
 
-def profile_streams(executor, plan, n: int, steps: int, rows: int, rng, first_req_id: int) -> dict:
-    """`steps` warm decode steps of `n` streams timed, then `steps` more under the profiler."""
+def profile_streams(executor, plan, n: int, steps: int, rows: int, rng, first_req_id: int, drafts: int = 0) -> dict:
+    """`steps` warm decode steps of `n` streams timed, then `steps` more under the profiler; with `drafts`, verify
+    steps of that many random drafts a row (the module docstring)."""
     vocab = executor.spec.vocab_size
-    streams = Streams(executor, n, 64 + 3 * steps + 8, first_req_id=first_req_id)
+    streams = Streams(executor, n, 64 + 3 * steps * (1 + drafts) + 2 * drafts + 8, first_req_id=first_req_id)
     streams.prefill([rng.integers(0, vocab, 64).tolist() for _ in range(n)])
+    hybrid = bool(plan.linear_state.slots)
+    held = plan.linear_state_snapshots.snapshots
+    if hybrid and drafts and held < n:
+        raise SystemExit(f"{n} drafting rows hold their states in {n} snapshots; the plan has {held}")
+    speculation = {}
+    if drafts:
+        speculation["draft_lens"] = np.full(n, drafts, np.int32)
+        speculation["hold_state"] = np.arange(n, dtype=np.int32) if hybrid else None
+        speculation["mtp_drafts"] = np.full(n, drafts, np.int32) if executor.mtp is not None else None
 
     def step():
-        streams.step([[int(rng.integers(0, vocab))] for _ in range(n)], sample=True)
+        if not drafts:
+            streams.step([[int(rng.integers(0, vocab))] for _ in range(n)], sample=True)
+            return
+        before = list(streams.context)
+        out = streams.step([rng.integers(0, vocab, 1 + drafts).tolist() for _ in range(n)], sample=True, **speculation)
+        kept = out.accepted_drafts.tolist()
+        streams.context = [computed_after_verify(c, 1 + drafts, drafts, a, hybrid) for c, a in zip(before, kept)]
 
     for _ in range(steps):
         step()
@@ -63,7 +98,8 @@ def profile_streams(executor, plan, n: int, steps: int, rows: int, rng, first_re
         step()
     ms = (time.perf_counter() - t0) / steps * 1e3
     cache = cache_per_step(before, executor.expert_cache_report(), steps)
-    print(f"{n} streams: ms/step without profiler: {ms:.2f}  (slots {plan.experts.slots}/{plan.experts.total})")
+    kind = f"verify steps of {drafts} drafts a row" if drafts else "decode steps"
+    print(f"{n} streams, {kind}: ms/step without profiler: {ms:.2f}  (slots {plan.experts.slots}/{plan.experts.total})")
     print("expert cache per step (timed steps):", json.dumps(cache))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -91,6 +127,7 @@ def profile_streams(executor, plan, n: int, steps: int, rows: int, rng, first_re
     return {
         "steps": steps,
         "streams": n,
+        "draft_tokens": drafts,
         "per_step": per_step,
         "ms_per_step_unprofiled": ms,
         "expert_cache_per_step": cache,

@@ -68,7 +68,10 @@ class Streams:
         sample: bool,
         new: list[NewRequest] | None = None,
         finished: list[int] | None = None,
+        **speculation,
     ):
+        """One step of these tokens a row; `speculation`: StepBatch's drafting fields (draft_lens, hold_state,
+        mtp_drafts), as the scheduler gives a verify step. The contexts advance by the rows' tokens."""
         n = len(self.req_ids)
         table = np.zeros((n, self.pages_each), dtype=np.int32)
         for i in range(n):
@@ -86,6 +89,7 @@ class Streams:
             sample=np.array([sample] * n),
             new_requests=tuple(new or ()),
             finished_req_ids=tuple(finished or ()),
+            **speculation,
         )
         out = self.executor.execute(batch)
         self.context = [c + len(ts) for c, ts in zip(self.context, tokens)]
