@@ -198,3 +198,34 @@ def test_the_oracle_bench_keeps_the_runs_that_served_when_one_did_not(tmp_path, 
     failed, pinned = result["oracle"]
     assert failed["error"].startswith("ferry serve exited") and failed["log"] == "serve_spec_oracle_0.8.log"
     assert pinned["pinned_drafts"] == 2 and pinned["vs_off"] == 1.5 and pinned["same_text_as_off"]
+
+
+def test_profile_decode_profiles_verify_steps_as_the_scheduler_sends_them(tmp_path, monkeypatch):
+    """bench/profile_decode.py --draft-tokens: each profiled step carries every row's token and d drafts, a hybrid's
+    rows holding their states in snapshots and asking the MTP head for d drafts; a row advances by what the verify
+    kept (computed_after_verify: a hybrid's refused drafts leave it where it was)."""
+    from bench.profile_decode import profile_streams
+    from ferry.services.make_tiny_model import make_tiny_model
+    from tests.unit.test_speculative_decoding import boot
+
+    executor, plan = boot(
+        make_tiny_model(tmp_path / "m", "qwen3_5_moe", seed=0, mtp=True), "--speculative-method", "mtp"
+    )
+    steps, execute = [], executor.execute
+
+    def recording(batch):
+        out = execute(batch)
+        if batch.draft_lens is not None:
+            steps.append((batch, out))
+        return out
+
+    monkeypatch.setattr(executor, "execute", recording)
+    run = profile_streams(executor, plan, 2, 2, 3, np.random.default_rng(0), first_req_id=1, drafts=3)
+    assert run["draft_tokens"] == 3 and len(steps) == 6  # two warm-up, two timed, two profiled
+    for batch, out in steps:
+        assert batch.query_lens.tolist() == [4, 4] and batch.draft_lens.tolist() == [3, 3]
+        assert batch.hold_state.tolist() == [0, 1] and batch.mtp_drafts.tolist() == [3, 3]
+        assert out.mtp_drafts.shape == (2, 3) and ((0 <= out.accepted_drafts) & (out.accepted_drafts <= 3)).all()
+    for (before, out), (after, _) in zip(steps, steps[1:]):
+        moved = after.context_lens - before.context_lens
+        assert (moved == np.where(out.accepted_drafts == 3, 4, 0)).all()
