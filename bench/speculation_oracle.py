@@ -88,7 +88,8 @@ def step_kinds(worker: list[dict], t0: float, t1: float) -> dict:
     """The steps the worker answered within [t0, t1] by kind, from its trace lines (shared/step_trace.py): `plain`
     (one token a row), `drafting` (rows with drafts), `several` (rows of several tokens without drafts: a prompt's
     tail after its cached prefix, a hybrid's kept drafts computed again). For each: how many, the seconds they took
-    (each from the answer before it to its own: what it cost the stream), and medians (ms) of that, of its time on
+    (each from the answer before it to its own: what it cost the stream; a request's first step also carries the
+    client's pause before it, which the medians leave out), and medians (ms) of that, of its time on
     the device and of the device's idle time before it; `longest_row`: the most tokens a row of that kind had."""
     steps = sorted((e for e in worker if t0 <= e["answered"] <= t1), key=lambda e: e["answered"])
     kinds: dict[str, list] = {"plain": [], "drafting": [], "several": []}
