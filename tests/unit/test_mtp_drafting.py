@@ -301,8 +301,7 @@ def test_a_draft_vocabulary_drafts_the_heads_argmax_among_its_first_ids(mtp_mode
     """--speculative-draft-vocab N: every chained draft is the argmax of the head's full logits over the first N
     ids, eagerly and in the chain graphs (their bodies, off CUDA), so the chain reads N rows of the LM head; the
     output is still speculation off's, and the pool report prices N rows."""
-    executor, plan = boot(mtp_model, "--speculative-method", "mtp")
-    vocab = executor.spec.vocab_size // 8  # a random head's argmax lies past it 7 times in 8
+    vocab = load_model_config(mtp_model).vocab_size // 8  # a random head's argmax lies past it 7 times in 8
     executor, plan = boot(mtp_model, "--speculative-method", "mtp", "--speculative-draft-vocab", str(vocab))
     assert executor.mtp.head.draft_vocab == vocab
     if graphed:
